@@ -1,0 +1,173 @@
+"""Model adapters: where each architecture keeps RoPE, and the reversible hooks that feed the cache.
+
+Transformers calls `cache.update(post_rope_keys, values, layer_idx)` and then the attention function,
+which sees neither the cache nor the pre-RoPE keys. Two public seams fill the gap:
+- a forward pre-hook on each attention module records the step (cache, layer, positions) for the
+  attention function (`current_step`);
+- a wrapper around the modeling module's `apply_rotary_pos_emb` (looked up by global name at call time)
+  records the exact pre-RoPE keys; inverting RoPE from bf16 cos/sin would be off by about one ulp.
+Nothing is patched at import; `patch_model` is idempotent and `unpatch_model` undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ModelAdapter", "StepContext", "SUPPORTED_ARCHITECTURES", "current_step", "patch_model", "unpatch_model"]
+
+# model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "transformers.models.llama.modeling_llama",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+}
+
+ATTENTION_NAME = "shadowkv"
+
+
+@dataclass
+class StepContext:
+    """What one attention module's forward knows that the attention function is not given."""
+
+    cache: Any
+    layer_idx: int
+    position_ids: torch.Tensor | None
+    pre_rope_keys: torch.Tensor | None = None
+
+
+_local = threading.local()
+
+
+def current_step() -> StepContext | None:
+    """The attention module forward in progress on this thread, if a patched model is running."""
+    return getattr(_local, "step", None)
+
+
+@dataclass
+class ModelAdapter:
+    """One patched model: its architecture's RoPE and the handles that undo the patch."""
+
+    model_type: str
+    modeling_module: Any
+    rotary_emb: nn.Module
+    apply_rotary: Callable
+    original_attn_implementation: str | None
+    handles: list = field(default_factory=list)
+
+    def rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`."""
+        cos, sin = self.rotary_emb(keys, positions)
+        _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
+        return rotated[:, 0]
+
+
+_ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
+_ROTARY_USERS: dict[str, int] = {}  # modeling module -> patched models using its wrapper
+
+
+def model_type_of(model: nn.Module) -> str:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "model_type", type(model).__name__)
+
+
+def check_supported(model: nn.Module) -> str:
+    """The model's architecture name, or a `ValueError` listing the supported ones."""
+    model_type = model_type_of(model)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"ShadowKVCache does not support the '{model_type}' architecture yet. Supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Use transformers.DynamicCache for this model."
+        )
+    return model_type
+
+
+def patch_model(model: nn.Module) -> ModelAdapter:
+    """Install the attention function, the rotary wrapper and the hooks on `model` (idempotent)."""
+    if model in _ADAPTERS:
+        return _ADAPTERS[model]
+    model_type = check_supported(model)
+    from .attention import register_attention
+
+    register_attention()
+    modeling = importlib.import_module(SUPPORTED_ARCHITECTURES[model_type])
+    original_rotary = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
+    if not hasattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__"):
+        modeling.apply_rotary_pos_emb = _recording_rotary(original_rotary)
+    _ROTARY_USERS[modeling.__name__] = _ROTARY_USERS.get(modeling.__name__, 0) + 1
+
+    adapter = ModelAdapter(
+        model_type=model_type,
+        modeling_module=modeling,
+        rotary_emb=_find_rotary_embedding(model),
+        apply_rotary=original_rotary,
+        original_attn_implementation=model.config._attn_implementation,
+    )
+    for module in _attention_modules(model, modeling):
+        adapter.handles.append(module.register_forward_pre_hook(_enter_attention, with_kwargs=True))
+        adapter.handles.append(module.register_forward_hook(_leave_attention, always_call=True))
+    model.set_attn_implementation(ATTENTION_NAME)
+    _ADAPTERS[model] = adapter
+    return adapter
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo `patch_model`: hooks removed, attention implementation and `apply_rotary_pos_emb` restored."""
+    adapter = _ADAPTERS.pop(model, None)
+    if adapter is None:
+        return
+    for handle in adapter.handles:
+        handle.remove()
+    if adapter.original_attn_implementation is not None:
+        model.set_attn_implementation(adapter.original_attn_implementation)
+    name = adapter.modeling_module.__name__
+    _ROTARY_USERS[name] -= 1
+    if _ROTARY_USERS[name] == 0:
+        adapter.modeling_module.apply_rotary_pos_emb = adapter.apply_rotary
+
+
+def _recording_rotary(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        step = current_step()
+        if step is not None:
+            step.pre_rope_keys = k
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__shadowkv_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _enter_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    _local.step = StepContext(cache, module.layer_idx, kwargs.get("position_ids"))
+
+
+def _leave_attention(module: nn.Module, args: tuple, output: Any) -> None:
+    _local.step = None
+
+
+def _attention_modules(model: nn.Module, modeling: Any) -> list[nn.Module]:
+    found = [
+        m
+        for m in model.modules()
+        if type(m).__module__ == modeling.__name__ and type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
+    if not found:
+        raise ValueError(f"No attention modules of {modeling.__name__} found in {type(model).__name__}.")
+    return found
+
+
+def _find_rotary_embedding(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if hasattr(module, "rotary_emb") and isinstance(module.rotary_emb, nn.Module):
+            return module.rotary_emb
+    raise ValueError(f"{type(model).__name__} has no rotary embedding module (`rotary_emb`).")

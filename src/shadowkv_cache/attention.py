@@ -1,0 +1,61 @@
+"""The attention function registered with Transformers' `AttentionInterface` as "shadowkv".
+
+Legend: B batch, Hq query heads, T query tokens, D head dim.
+
+Uncompressed layers (and any other cache) get exactly SDPA. On a ShadowKV layer's first long fill the
+prompt is attended exactly and then compressed, right after this layer's attention, so the full K/V of
+all layers never coexist. Later steps attend over the sparse set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .adapters import ATTENTION_NAME, current_step
+from .layer import ShadowKVLayer
+
+__all__ = ["shadowkv_attention", "register_attention"]
+
+
+def shadowkv_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Same contract as `sdpa_attention_forward`: returns `([B, T, Hq, D], None)`."""
+    step = current_step()
+    layers = getattr(step.cache, "layers", None) if step is not None else None
+    layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
+    if not isinstance(layer, ShadowKVLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if layer.is_compressed:
+        return layer.sparse_attention(query, attention_mask, scaling), None
+
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    q_len = query.shape[2]
+    if layer.get_seq_length() == q_len and q_len >= layer.config.min_compress_len:
+        if step.pre_rope_keys is None or step.position_ids is None:
+            raise RuntimeError(
+                "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
+                f"{module.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
+            )
+        layer.compress(step.pre_rope_keys, step.position_ids, attention_mask)
+    return out
+
+
+def register_attention() -> None:
+    """Register the attention function and its mask (SDPA's boolean mask) under one name (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, shadowkv_attention)
+    # Without the mask registration the function would get mask=None and left-padded batches would go wrong.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

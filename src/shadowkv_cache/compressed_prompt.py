@@ -1,0 +1,157 @@
+"""One layer's compressed prompt: what ShadowKV keeps of the prefill (ShadowKV §3, SPEC §3 prefill).
+
+Legend: B batch, S prompt slots (pads included), Hkv KV heads, D head dim, c chunk size, C chunks,
+Tc = C*c compressed tokens, R rank, O outlier chunks, W local-window tokens.
+
+Per row, chunks start at the row's first real token; the ragged tail and the last `local_window` tokens
+stay exact ("local"). Rows shorter than `min_compress_len` keep all their tokens in the local part, so
+compressed and exact rows mix in one batch. Rows are padded to the batch's largest sizes and every
+padded slot is marked invalid, so pads are never scored nor attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import ShadowKVConfig
+from .landmarks import chunk_landmarks, outlier_chunks
+from .low_rank import factorize_keys
+from .policies.base import SelectionPolicy
+from .value_store import HostValueStore
+
+__all__ = ["CompressedPrompt", "compress_prompt"]
+
+
+@dataclass
+class CompressedPrompt:
+    """Tensors (first dim = batch row) that stand for one layer's prompt after compression."""
+
+    a: torch.Tensor  # [B, Tc, R] left factor, KV dtype
+    b: torch.Tensor  # [B, R, Hkv, D] right factor, KV dtype
+    positions: torch.Tensor  # [B, Tc] int64 RoPE positions of the compressed tokens
+    policy_state: dict[str, torch.Tensor]  # e.g. landmarks [B, Hkv, C, D]
+    selectable: torch.Tensor  # [B, Hkv, C] bool: real, non-outlier chunks
+    budget_chunks: torch.Tensor  # [B] int64 chunks to select per head
+    outlier_keys: torch.Tensor  # [B, Hkv, O*c, D] post-RoPE
+    outlier_values: torch.Tensor  # [B, Hkv, O*c, D]
+    outlier_valid: torch.Tensor  # [B, O*c] bool
+    local_keys: torch.Tensor  # [B, Hkv, W, D] post-RoPE, right-aligned
+    local_values: torch.Tensor  # [B, Hkv, W, D]
+    local_valid: torch.Tensor  # [B, W] bool
+    values: HostValueStore  # [rows, Hkv, C, c, D] in host memory
+    chunk_size: int
+    slots: int  # S: prompt length as `generate` counts it, pads included
+    max_budget_chunks: int  # K = max over rows of budget_chunks
+
+    _ROW_FIELDS = (
+        "a", "b", "positions", "selectable", "budget_chunks", "outlier_keys", "outlier_values",
+        "outlier_valid", "local_keys", "local_values", "local_valid",
+    )  # fmt: skip
+
+    def select_rows(self, index: torch.Tensor) -> CompressedPrompt:
+        """The same prompt for cache rows `index` (`[B']`); host values are shared, not copied."""
+        changes = {name: getattr(self, name)[index] for name in self._ROW_FIELDS}
+        changes["policy_state"] = {k: v[index] for k, v in self.policy_state.items()}
+        changes["values"] = self.values.select_rows(index)
+        kept = {f.name: getattr(self, f.name) for f in fields(self)}
+        return CompressedPrompt(**{**kept, **changes})
+
+    @property
+    def device_nbytes(self) -> int:
+        tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def compress_prompt(
+    keys_pre: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    real: torch.Tensor,
+    config: ShadowKVConfig,
+    policy: SelectionPolicy,
+) -> CompressedPrompt | None:
+    """Compress a prefilled prompt, or return `None` when no row is long enough.
+
+    Args:
+        keys_pre (`torch.Tensor`): `[B, Hkv, S, D]` pre-RoPE keys.
+        keys (`torch.Tensor`): `[B, Hkv, S, D]` post-RoPE keys.
+        values (`torch.Tensor`): `[B, Hkv, S, D]`.
+        positions (`torch.Tensor`): `[B, S]` int64 RoPE positions.
+        real (`torch.Tensor`): `[B, S]` bool, True on real tokens (a left-padded suffix of each row).
+    """
+    batch, heads, slots, dim = keys.shape
+    c = config.chunk_size
+    n_real = real.sum(dim=-1).tolist()
+    sizes = [config.resolve(n, heads * dim) for n in n_real]
+    num_chunks = max(s.num_chunks for s in sizes)
+    if num_chunks == 0:
+        return None
+    rank = max(s.rank for s in sizes)
+    num_outliers = max(s.outliers for s in sizes)
+    window = max(s.local for s in sizes)
+    dtype, device = keys.dtype, keys.device
+
+    a = keys.new_zeros((batch, num_chunks * c, rank))
+    b = keys.new_zeros((batch, rank, heads, dim))
+    chunk_pos = torch.zeros((batch, num_chunks * c), dtype=torch.int64, device=device)
+    chunk_keys = keys.new_zeros((batch, heads, num_chunks, c, dim))
+    chunk_values = values.new_zeros((batch, heads, num_chunks, c, dim))
+    selectable = torch.zeros((batch, heads, num_chunks), dtype=torch.bool, device=device)
+    out_keys = keys.new_zeros((batch, heads, num_outliers * c, dim))
+    out_values = values.new_zeros((batch, heads, num_outliers * c, dim))
+    out_valid = torch.zeros((batch, num_outliers * c), dtype=torch.bool, device=device)
+    local_keys = keys.new_zeros((batch, heads, window, dim))
+    local_values = values.new_zeros((batch, heads, window, dim))
+    local_valid = torch.zeros((batch, window), dtype=torch.bool, device=device)
+
+    for row, (n, size) in enumerate(zip(n_real, sizes)):
+        start, n_tok = slots - n, size.num_chunks * c
+        if size.local:
+            local_keys[row, :, window - size.local :] = keys[row, :, slots - size.local :]
+            local_values[row, :, window - size.local :] = values[row, :, slots - size.local :]
+            local_valid[row, window - size.local :] = True
+        if not size.num_chunks:
+            continue
+        span = slice(start, start + n_tok)
+        # One factorisation across heads: [Tc, Hkv*D] (the paper's joint SVD).
+        left, right = factorize_keys(keys_pre[row, :, span].transpose(0, 1).reshape(n_tok, heads * dim), size.rank)
+        a[row, :n_tok, : size.rank] = left.to(dtype)
+        b[row, : size.rank] = right.view(size.rank, heads, dim).to(dtype)
+        chunk_pos[row, :n_tok] = positions[row, span]
+        chunk_keys[row, :, : size.num_chunks] = keys[row, :, span].view(heads, size.num_chunks, c, dim)
+        chunk_values[row, :, : size.num_chunks] = values[row, :, span].view(heads, size.num_chunks, c, dim)
+        selectable[row, :, : size.num_chunks] = True
+        if size.outliers:
+            row_keys = chunk_keys[row, :, : size.num_chunks]
+            ids = outlier_chunks(row_keys, chunk_landmarks(row_keys), size.outliers)  # [Hkv, o]
+            head_ix = torch.arange(heads, device=device)[:, None]
+            n_out = size.outliers * c
+            out_keys[row, :, :n_out] = row_keys[head_ix, ids].reshape(heads, n_out, dim)
+            out_values[row, :, :n_out] = chunk_values[row, :, : size.num_chunks][head_ix, ids].reshape(
+                heads, n_out, dim
+            )
+            out_valid[row, :n_out] = True
+            selectable[row].scatter_(1, ids, False)
+
+    budget = torch.tensor([s.budget_chunks for s in sizes], dtype=torch.int64, device=device)
+    return CompressedPrompt(
+        a=a,
+        b=b,
+        positions=chunk_pos,
+        policy_state=policy.prepare(chunk_keys),
+        selectable=selectable,
+        budget_chunks=budget,
+        outlier_keys=out_keys,
+        outlier_values=out_values,
+        outlier_valid=out_valid,
+        local_keys=local_keys,
+        local_values=local_values,
+        local_valid=local_valid,
+        values=HostValueStore.offload(chunk_values, pin=config.pin_memory and device.type == "cuda"),
+        chunk_size=c,
+        slots=slots,
+        max_budget_chunks=max(s.budget_chunks for s in sizes),
+    )

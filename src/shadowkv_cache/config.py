@@ -1,0 +1,151 @@
+"""ShadowKV configuration: one dataclass, validated at construction, resolved per prompt.
+
+Legend: S prompt tokens of one row, c chunk size, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["ShadowKVConfig", "ResolvedSizes"]
+
+# The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
+_RANK_SHARE = 0.15625  # 160 / 1024
+_BUDGET_SHARE = 0.015625  # 2048 / 131072
+_BUDGET_FLOOR = 256
+_OUTLIER_SHARE = 0.003  # ~48 chunks of 16384
+_OUTLIER_FLOOR = 4
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class ShadowKVConfig:
+    """Settings of the ShadowKV cache. `None` means the paper's setting scaled to the model and prompt.
+
+    Args:
+        rank (`int` or `float`, *optional*):
+            Rank of the joint low-rank factorisation of the pre-RoPE keys. An int is absolute and must be
+            `<= Hkv*D`; a float in (0, 1] is that share of `Hkv*D`. Defaults to `ceil(0.15625*Hkv*D/8)*8`
+            (160 for Llama-3.1-8B, 32 for SmolLM2), capped at the number of compressed tokens.
+        chunk_size (`int`, *optional*, defaults to 8):
+            Tokens per chunk; one landmark (mean post-RoPE key) per chunk.
+        sparse_budget (`int` or `float`, *optional*):
+            Tokens selected per KV head, per row, per layer and step (outliers, local window and generated tokens
+            come on top). A float in (0, 1) is that share of the prompt. Defaults to `max(256, 1.5625% of S)`.
+            Rounded up to whole chunks and clamped to the selectable chunks.
+        outlier_chunks (`int` or `float`, *optional*):
+            Chunks per KV head kept exact on the accelerator because their keys disagree most with their
+            landmark. A float in (0, 1) is that share of the chunks. Defaults to `max(4, ceil(0.3% of S/c))`.
+        local_window (`int`, *optional*, defaults to 32):
+            Last prompt tokens kept exact (at least the ragged tail that does not fill a chunk).
+        min_compress_len (`int`, *optional*, defaults to 4096):
+            Prompts (per row, real tokens) shorter than this stay exact and are never compressed.
+        pin_memory (`bool`, *optional*, defaults to `True`):
+            Pin the host value store when the model runs on CUDA (needed for fast, asynchronous fetches).
+
+    >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
+    8
+    """
+
+    rank: int | float | None = None
+    chunk_size: int = 8
+    sparse_budget: int | float | None = None
+    outlier_chunks: int | float | None = None
+    local_window: int = 32
+    min_compress_len: int = 4096
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def validate(self, key_dim: int | None = None) -> None:
+        """Raise `ValueError` naming the bad field and the fix; `key_dim` (`Hkv*D`) checks the rank bound."""
+
+        def bad(name: str, value: object, fix: str) -> ValueError:
+            return ValueError(f"ShadowKVConfig.{name}={value!r} is invalid: {fix}")
+
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
+            raise bad("chunk_size", self.chunk_size, "use a positive int (the paper uses 8).")
+        if not isinstance(self.local_window, int) or isinstance(self.local_window, bool) or self.local_window < 0:
+            raise bad("local_window", self.local_window, "use an int >= 0 (the paper uses 32).")
+        if (
+            not isinstance(self.min_compress_len, int)
+            or isinstance(self.min_compress_len, bool)
+            or self.min_compress_len < 1
+        ):
+            raise bad("min_compress_len", self.min_compress_len, "use a positive int (default 4096).")
+        if self.rank is not None:
+            if not _is_number(self.rank) or self.rank <= 0:
+                raise bad("rank", self.rank, "use a positive int, a float in (0, 1], or None for the default.")
+            if isinstance(self.rank, float) and self.rank > 1:
+                raise bad("rank", self.rank, "a float rank is a share of Hkv*D and must be in (0, 1].")
+            if isinstance(self.rank, int) and key_dim is not None and self.rank > key_dim:
+                raise bad("rank", self.rank, f"it must be <= Hkv*D = {key_dim} for this model.")
+        if self.sparse_budget is not None:
+            if not _is_number(self.sparse_budget) or self.sparse_budget <= 0:
+                raise bad(
+                    "sparse_budget", self.sparse_budget, "use a positive int (tokens), a float in (0, 1), or None."
+                )
+            if isinstance(self.sparse_budget, float) and self.sparse_budget >= 1:
+                raise bad("sparse_budget", self.sparse_budget, "a float budget is a share of the prompt, in (0, 1).")
+        if self.outlier_chunks is not None:
+            if not _is_number(self.outlier_chunks) or self.outlier_chunks < 0:
+                raise bad("outlier_chunks", self.outlier_chunks, "use an int >= 0, a float in [0, 1), or None.")
+            if isinstance(self.outlier_chunks, float) and self.outlier_chunks >= 1:
+                raise bad("outlier_chunks", self.outlier_chunks, "a float is a share of the chunks, in [0, 1).")
+        if not isinstance(self.pin_memory, bool):
+            raise bad("pin_memory", self.pin_memory, "use True or False.")
+
+    def resolve(self, num_tokens: int, key_dim: int) -> ResolvedSizes:
+        """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`."""
+        c = self.chunk_size
+        if num_tokens < self.min_compress_len:
+            return ResolvedSizes(num_chunks=0, rank=0, budget_chunks=0, outliers=0, local=num_tokens)
+        # The ragged tail joins the local window, so every chunk is full.
+        num_chunks = max(num_tokens - self.local_window, 0) // c
+        local = num_tokens - num_chunks * c
+        compressed = num_chunks * c
+
+        if self.rank is None:
+            rank = math.ceil(_RANK_SHARE * key_dim / 8) * 8
+        elif isinstance(self.rank, float):
+            rank = max(1, math.ceil(self.rank * key_dim))
+        else:
+            rank = self.rank
+        rank = min(rank, key_dim, compressed)
+
+        if self.outlier_chunks is None:
+            outliers = max(_OUTLIER_FLOOR, math.ceil(_OUTLIER_SHARE * num_tokens / c))
+        elif isinstance(self.outlier_chunks, float):
+            outliers = math.ceil(self.outlier_chunks * num_chunks)
+        else:
+            outliers = self.outlier_chunks
+        outliers = min(outliers, num_chunks)
+
+        if self.sparse_budget is None:
+            budget = max(_BUDGET_FLOOR, math.ceil(_BUDGET_SHARE * num_tokens))
+        elif isinstance(self.sparse_budget, float):
+            budget = math.ceil(self.sparse_budget * num_tokens)
+        else:
+            budget = self.sparse_budget
+        budget_chunks = min(math.ceil(budget / c), num_chunks - outliers)
+        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local)
+
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    """What `ShadowKVConfig.resolve` decided for one row: chunks, rank, selected chunks, outliers, local tokens."""
+
+    num_chunks: int
+    rank: int
+    budget_chunks: int
+    outliers: int
+    local: int

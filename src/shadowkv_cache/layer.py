@@ -1,0 +1,204 @@
+"""`ShadowKVLayer`: one layer's cache, exact until a long prefill, then a compressed prompt plus exact new tokens.
+
+Legend: B batch, Hq/Hkv query/KV heads, T query tokens, S prompt slots, G tokens after the prompt,
+D head dim, K selected chunks, c chunk size, N attended keys.
+
+Before compression the layer is a plain `DynamicLayer` (`keys`/`values` hold everything). When the first
+fill is long enough, `compress` replaces the prompt by a `CompressedPrompt`; from then on `keys`/`values`
+hold only the tokens that came after the prompt (generated tokens, new chat turns), kept exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
+
+from .compressed_prompt import CompressedPrompt, compress_prompt
+from .config import ShadowKVConfig
+from .ops.rebuild_keys import RopeFn
+from .policies.base import SelectionPolicy
+from .temporal_cache import TemporalCache
+
+__all__ = ["ShadowKVLayer"]
+
+
+class ShadowKVLayer(DynamicLayer):
+    """One layer of a `ShadowKVCache`.
+
+    Args:
+        config (`ShadowKVConfig`): sizes and switches.
+        policy (`SelectionPolicy`): scores chunks at each decode step.
+        rope (`RopeFn`): the model's rotary embedding, used to rebuild keys at their true positions.
+    """
+
+    def __init__(self, config: ShadowKVConfig, policy: SelectionPolicy, rope: RopeFn):
+        super().__init__()
+        self.config, self.policy, self.rope = config, policy, rope
+        self.prompt: CompressedPrompt | None = None
+        self.temporal: TemporalCache | None = None
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.prompt is not None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() + (self.prompt.slots if self.prompt is not None else 0)
+
+    def reset(self) -> None:
+        self.prompt = self.temporal = None
+        super().reset()
+
+    def crop(self, max_length: int) -> None:
+        """Drop tokens from the end: a negative value removes that many, a non-negative one keeps that length."""
+        length = self.get_seq_length()
+        keep = length + max_length if max_length < 0 else max_length
+        if keep >= length or not self.is_initialized:
+            return
+        prompt_slots = self.prompt.slots if self.prompt is not None else 0
+        if keep < prompt_slots:
+            raise NotImplementedError(
+                f"Cannot crop a ShadowKV cache to {keep} tokens: its first {prompt_slots} tokens are compressed. "
+                "Crop only tokens added after the compressed prompt, or start a new cache."
+            )
+        self.keys = self.keys[..., : keep - prompt_slots, :]
+        self.values = self.values[..., : keep - prompt_slots, :]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select_rows(beam_idx)
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.keys.device)
+        self.keys, self.values = self.keys[index], self.values[index]
+        if self.prompt is not None:
+            self.prompt = self.prompt.select_rows(index)
+        if self.temporal is not None:
+            self.temporal = self.temporal.select_rows(index)
+
+    # -- compression at prefill ----------------------------------------------------------------------------
+
+    def compress(
+        self,
+        keys_pre: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Compress the prompt just stored by the first `update`, if any row is long enough.
+
+        Args:
+            keys_pre (`torch.Tensor`): `[B, Hkv, S, D]` the same keys before RoPE.
+            positions (`torch.Tensor`): `[B or 1, S]` their RoPE positions.
+            attention_mask (`torch.Tensor`, *optional*): the prefill mask `[B, 1, S, S]` (bool, True = attend,
+                or additive float); `None` when no row is padded.
+        """
+        keys, values = self.keys, self.values
+        batch, _, slots, _ = keys.shape
+        real = real_tokens(attention_mask, batch, slots, keys.device)
+        positions = positions.expand(batch, slots).to(torch.int64)
+        prompt = compress_prompt(keys_pre, keys, values, positions, real, self.config, self.policy)
+        if prompt is None:
+            return
+        self.prompt = prompt
+        self.temporal = TemporalCache.empty(prompt, prompt.max_budget_chunks)
+        self.keys, self.values = keys[..., :0, :], values[..., :0, :]
+
+    # -- sparse attention at decode ------------------------------------------------------------------------
+
+    def sparse_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
+        """Exact attention of `query` (`[B, Hq, T, D]`) over outliers + selected chunks + local + new tokens.
+
+        Called after `update` appended this step's keys and values. Returns `[B, T, Hq, D]` like the
+        Transformers attention functions.
+        """
+        prompt, temporal = self.prompt, self.temporal
+        batch, num_q_heads, q_len, _ = query.shape
+        num_kv_heads = self.keys.shape[1]
+        slots = prompt.max_budget_chunks
+        wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling)
+        valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
+        valid = valid.expand(-1, num_kv_heads, -1)
+        temporal.refresh(wanted, valid, prompt, self.rope)
+
+        c = prompt.chunk_size
+        keys = torch.cat([prompt.outlier_keys, temporal.keys.flatten(2, 3), prompt.local_keys, self.keys], dim=2)
+        values = torch.cat(
+            [prompt.outlier_values, temporal.values.flatten(2, 3), prompt.local_values, self.values], dim=2
+        )
+        heads = (batch, num_kv_heads, q_len)
+        mask = torch.cat(
+            [
+                prompt.outlier_valid[:, None, None, :].expand(*heads, -1),
+                valid.repeat_interleave(c, dim=-1)[:, :, None, :].expand(*heads, -1),
+                prompt.local_valid[:, None, None, :].expand(*heads, -1),
+                new_token_mask(attention_mask, prompt.slots, self.keys.shape[2], q_len, query.device).expand(
+                    *heads, -1
+                ),
+            ],
+            dim=-1,
+        )  # [B, Hkv, T, N]
+        groups = num_q_heads // num_kv_heads
+        out = F.scaled_dot_product_attention(
+            query,
+            keys.repeat_interleave(groups, dim=1),
+            values.repeat_interleave(groups, dim=1),
+            attn_mask=mask.repeat_interleave(groups, dim=1),
+            scale=scaling,
+        )
+        return out.transpose(1, 2).contiguous()
+
+    # -- accounting ---------------------------------------------------------------------------------------
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """(device bytes, host bytes, bytes a `DynamicCache` would hold for the same tokens)."""
+        if not self.is_initialized:
+            return 0, 0, 0
+        exact = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        if self.prompt is None:
+            return exact, 0, exact
+        batch, heads, _, dim = self.keys.shape
+        full = 2 * batch * heads * self.get_seq_length() * dim * self.keys.element_size()
+        device = exact + self.prompt.device_nbytes + self.temporal.nbytes
+        return device, self.prompt.values.nbytes, full
+
+
+def real_tokens(
+    attention_mask: torch.Tensor | None, batch: int, slots: int, device: torch.device
+) -> torch.Tensor:
+    """`[B, S]` bool, True on real prompt tokens, from the prefill mask (its last query row sees them all)."""
+    if attention_mask is None:
+        return torch.ones((batch, slots), dtype=torch.bool, device=device)
+    last = attention_mask[:, 0, -1, -slots:]
+    real = last if last.dtype == torch.bool else last == 0
+    real = real.expand(batch, slots)
+    # Chunks assume each row's real tokens are one left-padded run.
+    first = real.int().argmax(dim=-1, keepdim=True)
+    if not torch.equal(real, torch.arange(slots, device=device)[None] >= first):
+        raise NotImplementedError(
+            "ShadowKVCache needs left padding (tokenizer.padding_side = 'left'); this batch has pads after "
+            "or between real tokens."
+        )
+    return real
+
+
+def new_token_mask(
+    attention_mask: torch.Tensor | None, prompt_slots: int, num_new: int, q_len: int, device: torch.device
+) -> torch.Tensor:
+    """`[B or 1, 1, T, G]` bool: which of the `G` tokens after the prompt each query token may see."""
+    if attention_mask is not None:
+        part = attention_mask[..., prompt_slots : prompt_slots + num_new]
+        return part if part.dtype == torch.bool else part == 0
+    seen = torch.arange(num_new, device=device)[None, :] <= torch.arange(num_new - q_len, num_new, device=device)[:, None]
+    return seen[None, None]

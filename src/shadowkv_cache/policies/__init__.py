@@ -1,0 +1,6 @@
+"""Selection policies behind one interface (`SelectionPolicy`)."""
+
+from .base import SelectionPolicy
+from .landmark_topk import LandmarkTopK
+
+__all__ = ["SelectionPolicy", "LandmarkTopK"]

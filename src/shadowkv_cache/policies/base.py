@@ -1,0 +1,57 @@
+"""The selection-policy interface: a policy scores chunks (or tokens); the base class does budget and top-k.
+
+Legend: B batch, Hq/Hkv query/KV heads, T query tokens, D head dim, N scored units (chunks or tokens),
+c tokens per unit, K selected units.
+
+A policy only sees tensors: it never touches host memory, model classes or the cache's layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Literal
+
+import torch
+
+__all__ = ["SelectionPolicy", "grouped_query"]
+
+
+def grouped_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`[B, Hq, T, D]` -> `[B, Hkv, G, T, D]` with `G = Hq // Hkv` query heads per KV head (GQA)."""
+    b, hq, t, d = query.shape
+    return query.view(b, num_kv_heads, hq // num_kv_heads, t, d)
+
+
+class SelectionPolicy(ABC):
+    """Chooses which units of the offloaded prompt a decode step attends to.
+
+    `prepare` runs once at prefill on the post-RoPE keys and returns the policy's state (landmarks, digests,
+    quantised keys ...), a dict of tensors whose first dim is the batch row so the cache can reorder and
+    select rows without knowing what they hold. `score` returns `[B, Hkv, N]`, higher is more relevant;
+    the base class masks what may not be selected and takes the top-k.
+    """
+
+    granularity: ClassVar[Literal["chunk", "token"]] = "chunk"
+
+    @abstractmethod
+    def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """State from post-RoPE keys `[B, Hkv, N, c, D]` (padding chunks hold zeros)."""
+
+    @abstractmethod
+    def score(
+        self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Relevance `[B, Hkv, N]` of each unit for `query` `[B, Hq, T, D]`; `selectable` is `[B, Hkv, N]` bool."""
+
+    def select(
+        self,
+        query: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        selectable: torch.Tensor,
+        k: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Indices `[B, Hkv, k]` of the `k` best selectable units, best first (no host synchronisation)."""
+        scores = self.score(query, state, selectable, scaling).float()
+        scores = scores.masked_fill(~selectable, float("-inf"))
+        return scores.topk(k, dim=-1).indices

@@ -1,0 +1,34 @@
+"""ShadowKV's chunk selection: softmax over landmarks, summed over query tokens, max over each GQA group.
+
+Sun et al., "ShadowKV: KV Cache in Shadows for High-Throughput Long-Context LLM Inference", ICML 2025,
+https://arxiv.org/abs/2410.21465 (§3.2, accurate KV selection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..landmarks import chunk_landmarks
+from .base import SelectionPolicy, grouped_query
+
+__all__ = ["LandmarkTopK"]
+
+
+class LandmarkTopK(SelectionPolicy):
+    """Scores each chunk by the attention its landmark (mean post-RoPE key) would get."""
+
+    granularity = "chunk"
+
+    def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"landmarks": chunk_landmarks(chunk_keys)}  # [B, Hkv, C, D]
+
+    def score(
+        self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        landmarks = state["landmarks"]
+        q = grouped_query(query, landmarks.shape[1])  # [B, Hkv, G, T, D]
+        logits = torch.einsum("bhgtd,bhcd->bhgtc", q.float(), landmarks.float()) * scaling
+        logits = logits.masked_fill(~selectable[:, :, None, None, :], float("-inf"))
+        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, C]

@@ -1,0 +1,66 @@
+"""Host-memory store of the offloaded values, chunk-major (ShadowKV §3.3).
+
+Legend: R stored rows, B cache rows, Hkv KV heads, C chunks, c chunk size, D head dim, M fetched chunks.
+
+Layout `[R, Hkv, C, c, D]`: one (head, chunk) is one contiguous block (2 KiB for c=8, D=128 in bf16), the
+unit a fetch moves. Cache rows reach stored rows through `row_map`, so reordering or repeating rows (beam
+search, several questions over one document) never copies values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HostValueStore"]
+
+
+class HostValueStore:
+    """Values of one layer's compressed chunks in host memory.
+
+    Args:
+        data (`torch.Tensor`): `[R, Hkv, C, c, D]` on the CPU (pinned when the model runs on CUDA).
+        row_map (`torch.Tensor`): `[B]` int64, the stored row behind each cache row.
+    """
+
+    def __init__(self, data: torch.Tensor, row_map: torch.Tensor):
+        if data.device.type != "cpu":
+            raise ValueError(f"HostValueStore holds host memory; got a tensor on {data.device}")
+        self.data = data
+        self.row_map = row_map
+
+    @classmethod
+    def offload(cls, values: torch.Tensor, pin: bool) -> HostValueStore:
+        """Copy `values` (`[B, Hkv, C, c, D]`, any device) to host memory, pinned if `pin`."""
+        if values.device.type == "cpu" and not pin:
+            data = values.contiguous().clone()
+        else:
+            try:
+                data = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"Could not pin {values.numel() * values.element_size() / 2**30:.2f} GiB of host memory for "
+                    "the ShadowKV value store. Free host memory, lower the batch size, or pass pin_memory=False "
+                    "(slower fetches)."
+                ) from err
+            # A blocking copy: the store is read by host-side gathers right after prefill.
+            data.copy_(values)
+        return cls(data, torch.arange(values.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def select_rows(self, index: torch.Tensor) -> HostValueStore:
+        """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
+        return HostValueStore(self.data, self.row_map[index.to("cpu")])
+
+    def gather(
+        self, rows: torch.Tensor, heads: torch.Tensor, chunks: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """Value chunks `[M, c, D]` on `device` for cache rows, heads and chunk ids (each `[M]`)."""
+        # PyTorch path: index on the host, then one copy. The CUDA kernel path reads pinned memory in place.
+        rows, heads, chunks = rows.to("cpu"), heads.to("cpu"), chunks.to("cpu")
+        block = self.data[self.row_map[rows], heads, chunks]
+        if device.type == "cuda":
+            return block.pin_memory().to(device, non_blocking=True)
+        return block.to(device)
