@@ -71,7 +71,6 @@ class ModelAdapter:
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
-_ROTARY_USERS: dict[str, int] = {}  # modeling module -> patched models using its wrapper
 
 
 def model_type_of(model: nn.Module) -> str:
@@ -102,7 +101,6 @@ def patch_model(model: nn.Module) -> ModelAdapter:
     original_rotary = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
     if not hasattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__"):
         modeling.apply_rotary_pos_emb = _recording_rotary(original_rotary)
-    _ROTARY_USERS[modeling.__name__] = _ROTARY_USERS.get(modeling.__name__, 0) + 1
 
     adapter = ModelAdapter(
         model_type=model_type,
@@ -128,9 +126,8 @@ def unpatch_model(model: nn.Module) -> None:
         handle.remove()
     if adapter.original_attn_implementation is not None:
         model.set_attn_implementation(adapter.original_attn_implementation)
-    name = adapter.modeling_module.__name__
-    _ROTARY_USERS[name] -= 1
-    if _ROTARY_USERS[name] == 0:
+    # Models that were dropped without unpatching have left the weak dictionary, so they do not count.
+    if not any(a.modeling_module is adapter.modeling_module for a in _ADAPTERS.values()):
         adapter.modeling_module.apply_rotary_pos_emb = adapter.apply_rotary
 
 

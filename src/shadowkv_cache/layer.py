@@ -52,9 +52,10 @@ class ShadowKVLayer(DynamicLayer):
         super().reset()
 
     def crop(self, max_length: int) -> None:
-        """Drop tokens from the end: a negative value removes that many, a non-negative one keeps that length."""
+        """Drop tokens from the end: a negative value removes that many; a positive one is the length to keep
+        (Transformers < 5.18); 0 removes nothing."""
         length = self.get_seq_length()
-        keep = length + max_length if max_length < 0 else max_length
+        keep = length + max_length if max_length <= 0 else max_length
         if keep >= length or not self.is_initialized:
             return
         prompt_slots = self.prompt.slots if self.prompt is not None else 0
@@ -65,6 +66,14 @@ class ShadowKVLayer(DynamicLayer):
             )
         self.keys = self.keys[..., : keep - prompt_slots, :]
         self.values = self.values[..., : keep - prompt_slots, :]
+
+    def activate_past_recording(self) -> None:
+        # Assisted decoding verifies drafts in the same fill as the prompt, then crops the rejected ones,
+        # which would already be compressed.
+        raise NotImplementedError(
+            "ShadowKVCache does not support assisted decoding or prompt-lookup decoding; drop "
+            "`assistant_model` / `prompt_lookup_num_tokens`, or use DynamicCache for them."
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -127,10 +136,11 @@ class ShadowKVLayer(DynamicLayer):
         batch, num_q_heads, q_len, _ = query.shape
         num_kv_heads = self.keys.shape[1]
         slots = prompt.max_budget_chunks
-        wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling)
         valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
         valid = valid.expand(-1, num_kv_heads, -1)
-        temporal.refresh(wanted, valid, prompt, self.rope)
+        if slots:  # with every chunk an outlier there is nothing to select
+            wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling)
+            temporal.refresh(wanted, valid, prompt, self.rope)
 
         c = prompt.chunk_size
         keys = torch.cat([prompt.outlier_keys, temporal.keys.flatten(2, 3), prompt.local_keys, self.keys], dim=2)

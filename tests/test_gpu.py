@@ -1,0 +1,92 @@
+"""The invariants on CUDA, with values in pinned host memory. Run with `pytest -m gpu` on a CUDA machine."""
+
+import pytest
+import torch
+from helpers import (
+    ARCHS,
+    assert_logits_close,
+    dynamic_cache,
+    full_budget_overrides,
+    generate_with,
+    left_pad,
+    make_tiny_model,
+    random_prompt,
+    small_budget_overrides,
+)
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def cuda_model(request):
+    return make_tiny_model(request.param).cuda()
+
+
+def test_full_budget_exact_on_cuda(cuda_model):
+    ids = random_prompt(301).cuda()
+    ref = generate_with(cuda_model, ids, dynamic_cache(cuda_model))
+    cache = ShadowKVCache(cuda_model, **full_budget_overrides())
+    got = generate_with(cuda_model, ids, cache)
+
+    assert torch.equal(got.sequences, ref.sequences)
+    assert_logits_close(got.logits, ref.logits)
+    for layer in cache.layers:
+        assert layer.is_compressed
+        assert layer.prompt.values.data.is_pinned()
+        assert layer.prompt.a.is_cuda and layer.temporal.keys.is_cuda
+    temporal = cache.layers[0].temporal
+    assert int(temporal.lookups) > int(temporal.hits)
+
+
+def test_padded_batch_rows_equal_rows_alone_on_cuda(cuda_model):
+    rows = [random_prompt(300, seed=1)[0], random_prompt(211, seed=2)[0], random_prompt(40, seed=3)[0]]
+    ids, mask = left_pad(rows)
+    together = generate_with(
+        cuda_model, ids.cuda(), ShadowKVCache(cuda_model, **small_budget_overrides()), attention_mask=mask.cuda()
+    )
+    for i, row in enumerate(rows):
+        alone = generate_with(cuda_model, row[None].cuda(), ShadowKVCache(cuda_model, **small_budget_overrides()))
+        assert torch.equal(together.sequences[i, ids.shape[1] :], alone.sequences[0, len(row) :])
+        torch.testing.assert_close(
+            torch.stack([step[i] for step in together.logits]),
+            torch.stack([step[0] for step in alone.logits]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda():
+    from shadowkv_cache.embedded_models import load_smollm2
+
+    return load_smollm2(dtype=torch.float32, device="cuda")
+
+
+def test_smollm2_full_budget_exact_on_cuda(smollm2_cuda):
+    model, tokenizer = smollm2_cuda
+    ids = natural_text_ids(tokenizer, 4096 + 16).cuda()
+    kv_dim = model.config.num_key_value_heads * model.config.head_dim
+    cache = ShadowKVCache(model, rank=kv_dim, sparse_budget=10**6, outlier_chunks=4, min_compress_len=2048)
+    got = teacher_forced_logits(model, ids, 4096, cache)
+    ref = teacher_forced_logits(model, ids, 4096, dynamic_cache(model))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+    assert cache.layers[0].prompt.values.data.is_pinned()
+
+
+def test_smollm2_bf16_default_fidelity_on_cuda(smollm2_cuda):
+    model, tokenizer = smollm2_cuda
+    model = model.to(torch.bfloat16)
+    try:
+        ids = natural_text_ids(tokenizer, 4096 + 64).cuda()
+        fid = measure_fidelity(model, ids, 4096, lambda: ShadowKVCache(model), greedy_tokens=32)
+        print(f"SmolLM2 bf16 CUDA 4K default fidelity: {fid}")
+        assert fid.agreement >= 0.8
+    finally:
+        model.to(torch.float32)

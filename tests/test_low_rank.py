@@ -1,0 +1,106 @@
+"""Low-rank factorisation of the pre-RoPE keys (ShadowKV §3.1) and outlier chunks (§3.2), against references.
+
+Legend: T tokens, K = Hkv*D key dim, R rank, Hkv KV heads, C chunks, c chunk size, D head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import NUM_KV_HEADS
+
+from shadowkv_cache.landmarks import chunk_landmarks, outlier_chunks
+from shadowkv_cache.low_rank import factorize_keys, reconstruct_keys
+
+
+def low_rank_plus_noise(tokens: int, dim: int, true_rank: int, noise: float, seed: int = 0) -> torch.Tensor:
+    """`[T, K]`: a rank-`true_rank` matrix with decaying singular values plus Gaussian noise, like real keys."""
+    gen = torch.Generator().manual_seed(seed)
+    left = torch.randn(tokens, true_rank, generator=gen)
+    scales = torch.logspace(1, 0, true_rank)  # 10 .. 1
+    right = torch.randn(true_rank, dim, generator=gen) / dim**0.5
+    return (left * scales) @ right + noise * torch.randn(tokens, dim, generator=gen)
+
+
+def optimal_error(keys: torch.Tensor, rank: int) -> float:
+    """Eckart–Young: the best rank-`rank` Frobenius error, from the singular values (in fp64)."""
+    s = torch.linalg.svdvals(keys.double())
+    return float(s[rank:].square().sum().sqrt())
+
+
+@pytest.mark.parametrize("tokens, dim", [(311, 64), (512, 128), (77, 32)])
+@pytest.mark.parametrize("rank", [1, 8, 20])
+def test_rank_r_error_is_the_svd_optimum(tokens, dim, rank):
+    keys = low_rank_plus_noise(tokens, dim, true_rank=24, noise=0.05)
+    a, b = factorize_keys(keys, rank)
+    assert a.shape == (tokens, rank) and b.shape == (rank, dim)
+    assert a.dtype == b.dtype == torch.float32
+    error = float((keys.double() - reconstruct_keys(a, b).double()).norm())
+    best = optimal_error(keys, rank)
+    assert error == pytest.approx(best, rel=1e-4)
+    # B's rows are orthonormal (B = Vᵀ) and A = K·Bᵀ = U·Σ, strongest direction first.
+    torch.testing.assert_close(b @ b.T, torch.eye(rank), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a, keys @ b.T, rtol=1e-5, atol=1e-5)
+    norms = a.norm(dim=0)
+    assert (norms[:-1] >= norms[1:] * (1 - 1e-5)).all()
+    reference = torch.linalg.svdvals(keys.double())[:rank].float()
+    torch.testing.assert_close(norms, reference, rtol=1e-4, atol=1e-4)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Frobenius-norm relative error (fp32 round-off of a whole reconstruction, not per element)."""
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("tokens, dim", [(300, 32), (20, 32), (1, 16)])  # tall, wide (T < K), a single token
+def test_full_rank_reconstructs_exactly(tokens, dim):
+    keys = low_rank_plus_noise(tokens, dim, true_rank=min(tokens, dim), noise=0.5, seed=1)
+    # rank K, and min(T, K): what the cache resolves to when fewer tokens than dimensions are compressed.
+    for rank in (dim, min(tokens, dim)):
+        a, b = factorize_keys(keys, rank)
+        assert relative_error(reconstruct_keys(a, b), keys) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keys_are_factorized_in_fp32(dtype):
+    keys = low_rank_plus_noise(200, 32, true_rank=8, noise=0.01).to(dtype)
+    a, b = factorize_keys(keys, 8)
+    assert a.dtype == b.dtype == torch.float32
+    error = float((keys.double() - reconstruct_keys(a, b).double()).norm())
+    assert error == pytest.approx(optimal_error(keys.float(), 8), rel=1e-3)
+
+
+@pytest.mark.parametrize("shape, rank", [((10, 8), 0), ((10, 8), 9), ((4, 2, 8), 2)])
+def test_bad_arguments_raise(shape, rank):
+    with pytest.raises(ValueError):
+        factorize_keys(torch.randn(shape), rank)
+
+
+def test_landmarks_are_chunk_means():
+    chunk_keys = torch.randn(NUM_KV_HEADS, 6, 8, 16)
+    torch.testing.assert_close(chunk_landmarks(chunk_keys), chunk_keys.mean(dim=-2))
+
+
+@pytest.mark.parametrize("planted", [[5], [0, 11], [3, 7, 12]])
+def test_outlier_chunks_find_planted_outliers(planted):
+    """Chunks whose keys point in opposite directions (poorly summarised by their mean) are the outliers."""
+    gen = torch.Generator().manual_seed(0)
+    heads, chunks, c, d = NUM_KV_HEADS, 16, 8, 16
+    # Ordinary chunks: keys close to a shared per-chunk direction.
+    direction = torch.randn(heads, chunks, 1, d, generator=gen)
+    chunk_keys = direction + 0.1 * torch.randn(heads, chunks, c, d, generator=gen)
+    for head in range(heads):
+        for chunk in planted:
+            shifted = [(chunk + head) % chunks]  # different outliers per head
+            base = torch.randn(d, generator=gen)
+            signs = torch.tensor([1.0, -1.0] * (c // 2))[:, None]
+            chunk_keys[head, shifted] = signs * base + 0.05 * torch.randn(c, d, generator=gen)
+    found = outlier_chunks(chunk_keys, chunk_landmarks(chunk_keys), len(planted))
+    assert found.shape == (heads, len(planted))
+    for head in range(heads):
+        assert sorted(found[head].tolist()) == sorted((p + head) % chunks for p in planted)
+
+
+def test_no_outliers_requested():
+    chunk_keys = torch.randn(NUM_KV_HEADS, 4, 8, 16)
+    assert outlier_chunks(chunk_keys, chunk_landmarks(chunk_keys), 0).shape == (NUM_KV_HEADS, 0)

@@ -1,0 +1,216 @@
+"""Nothing of the prompt is ever dropped (SPEC §3): every real token stays reachable, exactly once.
+
+After compression each real prompt token of a row is, per KV head, in exactly one of: a selectable chunk
+(keys rebuilt from `A·B` + RoPE, values in the host store), an outlier chunk (exact on the device) or the
+local window (exact on the device). At full rank the rebuilt keys equal the true post-RoPE keys.
+
+Legend: B batch, Hkv KV heads, S prompt slots, n real tokens of a row, D head dim, c chunk size, C chunks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    ARCHS,
+    HEAD_DIM,
+    KEY_DIM,
+    NUM_KV_HEADS,
+    dynamic_cache,
+    forward_with,
+    full_budget_overrides,
+    left_pad,
+    random_prompt,
+    tiny_model,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig, patch_model
+from shadowkv_cache.compressed_prompt import CompressedPrompt, compress_prompt
+from shadowkv_cache.ops.rebuild_keys import rebuild_keys
+
+
+def assert_every_token_reachable_once(
+    prompt: CompressedPrompt,
+    row: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: ShadowKVConfig,
+    rope,
+) -> None:
+    """Check one row of a compressed prompt against its true post-RoPE `keys` / `values` (`[Hkv, n, D]`)."""
+    heads, n, dim = keys.shape
+    c = config.chunk_size
+    size = config.resolve(n, heads * dim)
+    covered = torch.zeros((heads, n), dtype=torch.int64)
+    chunk_tokens = size.num_chunks * c
+
+    # Chunks start at the row's first real token; their positions are the row's own positions 0..Tc-1.
+    assert prompt.positions[row, :chunk_tokens].tolist() == list(range(chunk_tokens))
+    assert not prompt.selectable[row, :, size.num_chunks :].any(), "a padding chunk is selectable"
+
+    # Selectable chunks: keys rebuilt from the low-rank factors at their true positions, values from the host.
+    hs, chunks = prompt.selectable[row].nonzero(as_tuple=True)
+    if chunks.numel():
+        rows = torch.full_like(chunks, row)
+        rebuilt = rebuild_keys(prompt.a, prompt.b, prompt.positions, rows, hs, chunks, c, rope)  # [M, c, D]
+        fetched = prompt.values.gather(rows, hs, chunks, torch.device("cpu"))  # [M, c, D]
+        tokens = chunks[:, None] * c + torch.arange(c)  # [M, c]
+        torch.testing.assert_close(rebuilt, keys[hs[:, None], tokens], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fetched, values[hs[:, None], tokens], rtol=0, atol=0)
+        covered[hs[:, None], tokens] += 1
+
+    # Outlier chunks: the real chunks that are not selectable, held exactly, each matching one true chunk.
+    n_out = size.outliers * c
+    assert int(prompt.outlier_valid[row].sum()) == n_out
+    for h in range(heads if size.num_chunks else 0):
+        out_chunks = sorted(
+            set(range(size.num_chunks)) - set(prompt.selectable[row, h].nonzero().flatten().tolist())
+        )
+        assert len(out_chunks) == size.outliers
+        if not out_chunks:
+            continue
+        held_k = prompt.outlier_keys[row, h, :n_out].reshape(size.outliers, c * dim)
+        held_v = prompt.outlier_values[row, h, :n_out].reshape(size.outliers, c * dim)
+        true_k = keys[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
+        true_v = values[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
+        match = (held_k[:, None] == true_k[None]).all(-1)  # [O, C]
+        assert match.sum(-1).tolist() == [1] * size.outliers, "an outlier block is not exactly one true chunk"
+        found = match.int().argmax(-1)
+        assert sorted(found.tolist()) == out_chunks
+        assert torch.equal(held_v, true_v[found])
+        for chunk in out_chunks:
+            covered[h, chunk * c : (chunk + 1) * c] += 1
+
+    # Local window: the last tokens (ragged tail included), right-aligned and exact.
+    window = prompt.local_valid.shape[1]
+    assert int(prompt.local_valid[row].sum()) == size.local
+    assert prompt.local_valid[row, window - size.local :].all()
+    assert torch.equal(prompt.local_keys[row, :, window - size.local :], keys[:, n - size.local :])
+    assert torch.equal(prompt.local_values[row, :, window - size.local :], values[:, n - size.local :])
+    covered[:, n - size.local :] += 1
+
+    assert (covered == 1).all(), f"tokens covered {covered.unique().tolist()} times; row {row}, n={n}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("lengths", [(300,), (300, 217, 50)], ids=["one-row", "left-padded"])
+def test_prefill_keeps_every_prompt_token_reachable(arch, lengths):
+    model = tiny_model(arch)
+    rows = [random_prompt(n, seed=i + 40)[0] for i, n in enumerate(lengths)]
+    ids, mask = left_pad(rows)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left-padded rows
+    overrides = full_budget_overrides(outlier_chunks=3)
+    config = ShadowKVConfig(**overrides)
+
+    reference = dynamic_cache(model)
+    forward_with(model, ids, reference, attention_mask=mask, position_ids=positions)
+    cache = ShadowKVCache(model, **overrides)
+    forward_with(model, ids, cache, attention_mask=mask, position_ids=positions)
+
+    width = ids.shape[1]
+    for layer, ref_layer in zip(cache.layers, reference.layers):
+        assert layer.is_compressed
+        assert layer.get_seq_length() == width
+        assert layer.keys.shape[2] == 0, "the prompt's full K/V must not stay on the device"
+        for row, n in enumerate(lengths):
+            keys = ref_layer.keys[row, :, width - n :]
+            values = ref_layer.values[row, :, width - n :]
+            if n < config.min_compress_len:
+                size = config.resolve(n, KEY_DIM)
+                assert size.num_chunks == 0 and size.local == n
+            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.rope)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    lengths=st.lists(st.integers(1, 160), min_size=1, max_size=3),
+    chunk_size=st.integers(1, 12),
+    local_window=st.integers(0, 40),
+    outliers=st.one_of(st.none(), st.integers(0, 12), st.floats(0.0, 0.9)),
+    min_compress_len=st.integers(1, 80),
+    seed=st.integers(0, 2**16),
+)
+def test_compress_prompt_covers_every_token_once(
+    lengths, chunk_size, local_window, outliers, min_compress_len, seed
+):
+    """Property: for any sizes, `compress_prompt` keeps each real token reachable exactly once, pads never."""
+    rope = patch_model(tiny_model("llama")).rope
+    config = ShadowKVConfig(
+        rank=KEY_DIM,
+        chunk_size=chunk_size,
+        sparse_budget=10**6,
+        outlier_chunks=outliers,
+        local_window=local_window,
+        min_compress_len=min_compress_len,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    batch, width = len(lengths), max(lengths)
+    keys_pre = torch.randn((batch, NUM_KV_HEADS, width, HEAD_DIM), generator=gen)
+    values = torch.randn((batch, NUM_KV_HEADS, width, HEAD_DIM), generator=gen)
+    real = torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]  # left padding
+    positions = (real.cumsum(-1) - 1).clamp(min=0)
+    keys = rope(keys_pre.flatten(0, 1), positions.repeat_interleave(NUM_KV_HEADS, 0)).view_as(keys_pre)
+
+    prompt = compress_prompt(keys_pre, keys, values, positions, real, config, LandmarkTopK())
+
+    sizes = [config.resolve(n, KEY_DIM) for n in lengths]
+    if all(s.num_chunks == 0 for s in sizes):
+        assert prompt is None  # no row long enough: the layer stays exact
+        return
+    assert prompt is not None and prompt.slots == width
+    assert prompt.budget_chunks.tolist() == [s.num_chunks - s.outliers for s in sizes]
+    for row, n in enumerate(lengths):
+        start = width - n
+        assert_every_token_reachable_once(
+            prompt, row, keys[row, :, start:], values[row, :, start:], config, rope
+        )
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    n=st.integers(0, 5000),
+    chunk_size=st.integers(1, 64),
+    local_window=st.integers(0, 300),
+    min_compress_len=st.integers(1, 4096),
+    rank=st.one_of(st.none(), st.integers(1, KEY_DIM), st.floats(0.01, 1.0)),
+    budget=st.one_of(st.none(), st.integers(1, 10**6), st.floats(0.001, 0.999)),
+    outliers=st.one_of(st.none(), st.integers(0, 10**4), st.floats(0.0, 0.999)),
+)
+def test_resolved_sizes_account_for_every_token(
+    n, chunk_size, local_window, min_compress_len, rank, budget, outliers
+):
+    config = ShadowKVConfig(
+        rank=rank,
+        chunk_size=chunk_size,
+        sparse_budget=budget,
+        outlier_chunks=outliers,
+        local_window=local_window,
+        min_compress_len=min_compress_len,
+    )
+    size = config.resolve(n, KEY_DIM)  # never raises: everything clamps
+    assert size.num_chunks * chunk_size + size.local == n
+    assert size.num_chunks >= 0 and size.local >= 0
+    if n < min_compress_len:
+        assert (size.num_chunks, size.rank, size.budget_chunks, size.outliers, size.local) == (0, 0, 0, 0, n)
+        return
+    if size.num_chunks:
+        assert local_window <= size.local < local_window + chunk_size
+        assert 1 <= size.rank <= min(KEY_DIM, size.num_chunks * chunk_size)
+    else:
+        assert size.local == n < local_window + chunk_size
+    assert 0 <= size.outliers <= size.num_chunks
+    selectable = size.num_chunks - size.outliers
+    assert 0 <= size.budget_chunks <= selectable
+    if budget is not None:
+        wanted = budget if isinstance(budget, int) else math.ceil(budget * n)
+        assert size.budget_chunks == min(math.ceil(wanted / chunk_size), selectable)
