@@ -88,9 +88,7 @@ def test_left_padded_rows_match_rows_alone(model, selections):
             assert int(held.max()) < size.num_chunks, f"step {step}: row {row} selected a padding chunk"
             for head in range(held.shape[0]):
                 real = held[head][held[head] >= 0]
-                assert selectable[row, head, real].all(), (
-                    f"step {step}: row {row} head {head} picked an outlier"
-                )
+                assert selectable[row, head, real].all(), f"step {step}: row {row} head {head} picked an outlier"
 
 
 def test_padding_chunks_are_never_selectable():

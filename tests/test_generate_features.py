@@ -94,9 +94,7 @@ def test_streamer_receives_every_generated_token(model, prompt):
     assert_compressed(cache)
 
 
-@pytest.mark.parametrize(
-    "overrides", [full_budget_overrides(), small_budget_overrides()], ids=["full", "small"]
-)
+@pytest.mark.parametrize("overrides", [full_budget_overrides(), small_budget_overrides()], ids=["full", "small"])
 def test_stopping_criteria_is_respected(model, prompt, overrides):
     cache = ShadowKVCache(model, **overrides)
     stop = StoppingCriteriaList([StopAfter(PROMPT, 5)])
@@ -130,9 +128,7 @@ def test_several_return_sequences_with_sampling(model, prompt):
     outs = {}
     for name, cache in both_caches(model).items():
         torch.manual_seed(3)
-        outs[name] = generate_with(
-            model, prompt, cache, do_sample=True, num_return_sequences=2, max_new_tokens=8
-        )
+        outs[name] = generate_with(model, prompt, cache, do_sample=True, num_return_sequences=2, max_new_tokens=8)
     assert outs["shadowkv"].sequences.shape == (2, PROMPT + 8)
     assert torch.equal(outs["shadowkv"].sequences, outs["dynamic"].sequences)
 
@@ -153,9 +149,7 @@ def test_repeated_generate_continues_the_conversation(model, prompt):
         assert cache.get_seq_length() == out.sequences.shape[1] - 1
         sequence = torch.cat([out.sequences, random_prompt(5, seed=60 + turn)], dim=1)
     for layer in cache.layers:
-        assert (
-            layer.is_compressed and layer.prompt.slots == PROMPT
-        )  # the first fill stays the compressed part
+        assert layer.is_compressed and layer.prompt.slots == PROMPT  # the first fill stays the compressed part
 
 
 def test_crop_of_generated_tokens_matches_dynamic_cache(model, prompt):

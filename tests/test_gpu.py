@@ -36,7 +36,8 @@ def test_full_budget_exact_on_cuda(cuda_model):
     got = generate_with(cuda_model, ids, cache)
 
     assert torch.equal(got.sequences, ref.sequences)
-    assert_logits_close(got.logits, ref.logits)
+    # CUDA SDPA kernels sum in another order than CPU ones: fp32 round-off reaches ~5e-5 on logits of ~3.
+    assert_logits_close(got.logits, ref.logits, atol=1e-4)
     for layer in cache.layers:
         assert layer.is_compressed
         assert layer.prompt.values.data.is_pinned()

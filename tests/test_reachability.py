@@ -67,9 +67,7 @@ def assert_every_token_reachable_once(
     n_out = size.outliers * c
     assert int(prompt.outlier_valid[row].sum()) == n_out
     for h in range(heads if size.num_chunks else 0):
-        out_chunks = sorted(
-            set(range(size.num_chunks)) - set(prompt.selectable[row, h].nonzero().flatten().tolist())
-        )
+        out_chunks = sorted(set(range(size.num_chunks)) - set(prompt.selectable[row, h].nonzero().flatten().tolist()))
         assert len(out_chunks) == size.outliers
         if not out_chunks:
             continue
@@ -140,9 +138,7 @@ def test_prefill_keeps_every_prompt_token_reachable(arch, lengths):
     min_compress_len=st.integers(1, 80),
     seed=st.integers(0, 2**16),
 )
-def test_compress_prompt_covers_every_token_once(
-    lengths, chunk_size, local_window, outliers, min_compress_len, seed
-):
+def test_compress_prompt_covers_every_token_once(lengths, chunk_size, local_window, outliers, min_compress_len, seed):
     """Property: for any sizes, `compress_prompt` keeps each real token reachable exactly once, pads never."""
     rope = patch_model(tiny_model("llama")).rope
     config = ShadowKVConfig(
@@ -171,9 +167,7 @@ def test_compress_prompt_covers_every_token_once(
     assert prompt.budget_chunks.tolist() == [s.num_chunks - s.outliers for s in sizes]
     for row, n in enumerate(lengths):
         start = width - n
-        assert_every_token_reachable_once(
-            prompt, row, keys[row, :, start:], values[row, :, start:], config, rope
-        )
+        assert_every_token_reachable_once(prompt, row, keys[row, :, start:], values[row, :, start:], config, rope)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
@@ -186,9 +180,7 @@ def test_compress_prompt_covers_every_token_once(
     budget=st.one_of(st.none(), st.integers(1, 10**6), st.floats(0.001, 0.999)),
     outliers=st.one_of(st.none(), st.integers(0, 10**4), st.floats(0.0, 0.999)),
 )
-def test_resolved_sizes_account_for_every_token(
-    n, chunk_size, local_window, min_compress_len, rank, budget, outliers
-):
+def test_resolved_sizes_account_for_every_token(n, chunk_size, local_window, min_compress_len, rank, budget, outliers):
     config = ShadowKVConfig(
         rank=rank,
         chunk_size=chunk_size,

@@ -15,13 +15,14 @@ import functools
 import importlib
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ModelAdapter", "StepContext", "SUPPORTED_ARCHITECTURES", "current_step", "patch_model", "unpatch_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelAdapter", "StepContext", "current_step", "patch_model", "unpatch_model"]
 
 # model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -156,7 +157,9 @@ def _attention_modules(model: nn.Module, modeling: Any) -> list[nn.Module]:
     found = [
         m
         for m in model.modules()
-        if type(m).__module__ == modeling.__name__ and type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+        if type(m).__module__ == modeling.__name__
+        and type(m).__name__.endswith("Attention")
+        and hasattr(m, "layer_idx")
     ]
     if not found:
         raise ValueError(f"No attention modules of {modeling.__name__} found in {type(model).__name__}.")

@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .adapters import ATTENTION_NAME, current_step
 from .layer import ShadowKVLayer
 
-__all__ = ["shadowkv_attention", "register_attention"]
+__all__ = ["register_attention", "shadowkv_attention"]
 
 
 def shadowkv_attention(

@@ -83,5 +83,3 @@ class ShadowKVCache(Cache):
     def __repr__(self) -> str:
         compressed = sum(layer.is_compressed for layer in self.layers)
         return f"ShadowKVCache({self.config}, compressed_layers={compressed}/{len(self.layers)})"
-
-

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ShadowKVConfig", "ResolvedSizes"]
+__all__ = ["ResolvedSizes", "ShadowKVConfig"]
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
 _RANK_SHARE = 0.15625  # 160 / 1024

@@ -10,13 +10,13 @@ of the greedy continuation that matches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-__all__ = ["Fidelity", "natural_text_ids", "teacher_forced_logits", "measure_fidelity"]
+__all__ = ["Fidelity", "measure_fidelity", "natural_text_ids", "teacher_forced_logits"]
 
 
 def natural_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:

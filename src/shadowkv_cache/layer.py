@@ -184,9 +184,7 @@ class ShadowKVLayer(DynamicLayer):
         return device, self.prompt.values.nbytes, full
 
 
-def real_tokens(
-    attention_mask: torch.Tensor | None, batch: int, slots: int, device: torch.device
-) -> torch.Tensor:
+def real_tokens(attention_mask: torch.Tensor | None, batch: int, slots: int, device: torch.device) -> torch.Tensor:
     """`[B, S]` bool, True on real prompt tokens, from the prefill mask (its last query row sees them all)."""
     if attention_mask is None:
         return torch.ones((batch, slots), dtype=torch.bool, device=device)
@@ -210,5 +208,7 @@ def new_token_mask(
     if attention_mask is not None:
         part = attention_mask[..., prompt_slots : prompt_slots + num_new]
         return part if part.dtype == torch.bool else part == 0
-    seen = torch.arange(num_new, device=device)[None, :] <= torch.arange(num_new - q_len, num_new, device=device)[:, None]
+    seen = (
+        torch.arange(num_new, device=device)[None, :] <= torch.arange(num_new - q_len, num_new, device=device)[:, None]
+    )
     return seen[None, None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MemoryReport", "LayerMemory"]
+__all__ = ["LayerMemory", "MemoryReport"]
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ Legend: B batch, Hkv KV heads, Tc compressed tokens, R rank, D head dim, M misse
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["rebuild_keys", "RopeFn"]
+__all__ = ["RopeFn", "rebuild_keys"]
 
 # (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D]
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

