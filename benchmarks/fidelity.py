@@ -31,31 +31,32 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--steps", type=int, default=64, help="teacher-forced continuation tokens")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024], help="extra sparse_budget values")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[], help="extra rank values (at the default budget)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="fidelity_smollm2")
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    key_dim = model.config.num_key_value_heads * model.config.head_dim
+    settings = [{}] + [{"sparse_budget": b} for b in args.budgets] + [{"rank": r} for r in args.ranks]
     rows = []
-    settings = [(s, None) for s in args.lengths] + [(s, b) for s in args.lengths for b in args.budgets]
-    for length, budget in tqdm(settings, desc="fidelity"):
+    for length, extra in tqdm([(s, e) for s in args.lengths for e in settings], desc="fidelity"):
         ids = natural_text_ids(tokenizer, length + args.steps).to(args.device)
-        overrides = {"min_compress_len": min(length, 4096)}
-        if budget is not None:
-            overrides["sparse_budget"] = budget
+        overrides = {"min_compress_len": min(length, 4096), **extra}
         probe = ShadowKVCache(model, **overrides)
-        sizes = probe.config.resolve(length, model.config.num_key_value_heads * model.config.head_dim)
+        sizes = probe.config.resolve(length, key_dim)
         start = time.perf_counter()
         fid = measure_fidelity(model, ids, length, lambda o=overrides: ShadowKVCache(model, **o))
         rows.append(
             {
                 "prompt_tokens": length,
-                "config": "default" if budget is None else f"sparse_budget={budget}",
+                "config": ", ".join(f"{k}={v}" for k, v in extra.items()) or "default",
                 "rank": sizes.rank,
                 "budget_tokens": sizes.budget_chunks * probe.config.chunk_size,
                 "outlier_chunks": sizes.outliers,
                 "local_tokens": sizes.local,
+                "series": f"S={length}, rank={sizes.rank}",
                 **fid.as_dict(),
                 "seconds": round(time.perf_counter() - start, 1),
             }
@@ -79,9 +80,12 @@ def main() -> None:
         env=environment(args.device, args.dtype),
         rows=rows,
         columns=columns,
-        plot=dict(
-            x="budget_tokens", y="agreement", series="prompt_tokens", ylabel="top-1 agreement with full attention"
-        ),
+        plot={
+            "x": "budget_tokens",
+            "y": "agreement",
+            "series": "series",
+            "ylabel": "top-1 agreement with full attention",
+        },
     )
 
 

@@ -1,8 +1,9 @@
 """Ask questions about a long document with the embedded SmolLM2-135M-Instruct: DynamicCache vs ShadowKVCache.
 
 A ~6K-token staff handbook is generated (seeded, so every run sees the same text) with three facts planted
-at different depths. Each question is answered greedily twice, once with Transformers' `DynamicCache` and
-once with `ShadowKVCache`; the script prints the answers, prefill time, decode speed and cache memory.
+at different depths. Each question is answered greedily with Transformers' `DynamicCache`, with
+`ShadowKVCache` at its defaults, and with `ShadowKVCache` at a setting tuned for this small model; the script
+prints the answers, prefill time, decode speed and cache memory.
 
     python examples/long_document_demo.py [--tokens 6000] [--max-new-tokens 24] [--device cpu] [--dtype float32]
 """
@@ -218,10 +219,13 @@ def main() -> None:
         f"device {args.device}, {dtype}.\n"
     )
 
+    # The scaled defaults (rank 32 of Hkv*D = 192, a 256-token budget at 6K) are aggressive for a 135M model
+    # and miss facts here; rank 96 with a 1024-token budget answers all three (benchmarks/demo_needles.py).
     caches = {
         "DynamicCache": lambda: DynamicCache(config=model.config),
-        "ShadowKVCache": lambda: ShadowKVCache(model),
-    }  # a cache holds one request: fresh per question
+        "ShadowKVCache (defaults)": lambda: ShadowKVCache(model),
+        "ShadowKVCache (rank=96, sparse_budget=1024)": lambda: ShadowKVCache(model, rank=96, sparse_budget=1024),
+    }  # fresh per question: each question is a new request over the document
     for label, make_cache in caches.items():
         print(f"== {label} ==")
         for _, _, question, expected in FACTS:
@@ -235,7 +239,13 @@ def main() -> None:
         if isinstance(cache, DynamicCache):
             print(f"Cache memory: {dynamic_cache_bytes(cache) / 2**20:.1f} MiB (keys + values, all layers)")
         else:
-            print(cache.memory_report())
+            report = cache.memory_report()
+            print(
+                f"Cache memory: {report.gpu_bytes / 2**20:.1f} MiB on the {args.device} device "
+                f"({report.ratio:.1%} of DynamicCache's {report.dynamic_cache_bytes / 2**20:.1f} MiB) + "
+                f"{report.host_bytes / 2**20:.1f} MiB of values in host memory; "
+                f"temporal-cache hit rate {report.hit_rate:.0%}"
+            )
         print()
 
 

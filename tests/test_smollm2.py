@@ -68,9 +68,10 @@ def test_default_budget_fidelity(smollm2, text_ids):
     assert fid.mean_kl <= CEIL_KL
 
 
-# Measured by benchmarks/fidelity.py on this prompt family; floors leave a small margin for round-off.
-FLOOR_AGREEMENT = 0.85
-CEIL_KL = 0.25
+# Measured on CPU (fp32) at this setting: agreement 0.918, mean KL 0.069 (benchmarks/fidelity.py measures
+# the same family at 2K and 4K). The floors sit just under, with a small margin for round-off.
+FLOOR_AGREEMENT = 0.89
+CEIL_KL = 0.09
 
 
 def test_multi_turn_continues_the_compressed_cache(smollm2, text_ids):
