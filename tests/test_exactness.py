@@ -7,6 +7,8 @@ come from a cache that silently stayed exact.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from helpers import (
@@ -19,7 +21,6 @@ from helpers import (
     tiny_model,
 )
 
-import shadowkv_cache.temporal_cache as temporal_cache_module
 from shadowkv_cache import ShadowKVCache
 
 NEW_TOKENS = 16
@@ -32,16 +33,17 @@ def model(request):
 
 @pytest.fixture
 def rebuilt_chunks(monkeypatch):
-    """Counts the chunks whose keys `TemporalCache.refresh` rebuilt from `A·B` + RoPE."""
+    """Counts the chunks whose keys `TemporalCache.refresh` rebuilt from `A·B` + RoPE (the CPU twin)."""
     counter = {"chunks": 0, "calls": 0}
-    original = temporal_cache_module.rebuild_keys
+    rebuild_module = importlib.import_module("shadowkv_cache.ops.rebuild_keys")
+    original = rebuild_module.rebuild_keys
 
     def counting(a, b, positions, rows, heads, chunks, *args, **kwargs):
         counter["chunks"] += chunks.numel()
         counter["calls"] += 1
         return original(a, b, positions, rows, heads, chunks, *args, **kwargs)
 
-    monkeypatch.setattr(temporal_cache_module, "rebuild_keys", counting)
+    monkeypatch.setattr(rebuild_module, "rebuild_keys", counting)
     return counter
 
 

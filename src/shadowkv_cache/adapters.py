@@ -22,7 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelAdapter", "StepContext", "current_step", "patch_model", "unpatch_model"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelAdapter",
+    "ModelRope",
+    "StepContext",
+    "current_step",
+    "patch_model",
+    "unpatch_model",
+]
 
 # model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -64,8 +72,31 @@ class ModelAdapter:
     original_attn_implementation: str | None
     handles: list = field(default_factory=list)
 
-    def rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`."""
+    @property
+    def rope(self) -> ModelRope:
+        """The model's RoPE at given positions, as the key rebuild needs it."""
+        return ModelRope(self.rotary_emb, self.apply_rotary)
+
+
+class ModelRope:
+    """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way.
+
+    `inv_freq` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE in-kernel
+    (Llama-3 / YaRN scaling is already folded into them).
+    """
+
+    def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable):
+        self.rotary_emb, self.apply_rotary = rotary_emb, apply_rotary
+
+    @property
+    def inv_freq(self) -> torch.Tensor | None:
+        return getattr(self.rotary_emb, "inv_freq", None)
+
+    @property
+    def attention_scaling(self) -> float:
+        return float(getattr(self.rotary_emb, "attention_scaling", 1.0))
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary_emb(keys, positions)
         _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
         return rotated[:, 0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
 from .compressed_prompt import CompressedPrompt, compress_prompt
@@ -21,6 +22,8 @@ from .policies.base import SelectionPolicy
 from .temporal_cache import TemporalCache
 
 __all__ = ["ShadowKVLayer"]
+
+_SPARSE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 class ShadowKVLayer(DynamicLayer):
@@ -151,7 +154,7 @@ class ShadowKVLayer(DynamicLayer):
         mask = torch.cat(
             [
                 prompt.outlier_valid[:, None, None, :].expand(*heads, -1),
-                valid.repeat_interleave(c, dim=-1)[:, :, None, :].expand(*heads, -1),
+                temporal.held.repeat_interleave(c, dim=-1)[:, :, None, :].expand(*heads, -1),
                 prompt.local_valid[:, None, None, :].expand(*heads, -1),
                 new_token_mask(attention_mask, prompt.slots, self.keys.shape[2], q_len, query.device).expand(
                     *heads, -1
@@ -159,15 +162,15 @@ class ShadowKVLayer(DynamicLayer):
             ],
             dim=-1,
         )  # [B, Hkv, T, N]
+        # GQA without copying K/V per query head: the G query heads of a KV head become G*T query rows.
         groups = num_q_heads // num_kv_heads
-        out = F.scaled_dot_product_attention(
-            query,
-            keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1),
-            attn_mask=mask.repeat_interleave(groups, dim=1),
-            scale=scaling,
-        )
-        return out.transpose(1, 2).contiguous()
+        dim = query.shape[-1]
+        folded = query.reshape(batch, num_kv_heads, groups * q_len, dim)
+        mask = mask.expand(-1, -1, groups, -1) if q_len == 1 else mask.repeat(1, 1, groups, 1)
+        # Not cuDNN: its attention rebuilds a graph for every new key count (2 ms of CPU per call measured).
+        with sdpa_kernel(_SPARSE_BACKENDS):
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+        return out.reshape(batch, num_q_heads, q_len, dim).transpose(1, 2).contiguous()
 
     # -- accounting ---------------------------------------------------------------------------------------
 

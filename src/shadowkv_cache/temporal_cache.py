@@ -1,9 +1,14 @@
 """The temporal cache: chunks selected at the previous step stay on the device (ShadowKV §3.3).
 
-Legend: B batch, Hkv KV heads, K selected chunks, c chunk size, D head dim, M missed chunks.
+Legend: B batch, Hkv KV heads, K selected chunks (slots), c chunk size, D head dim, M missed chunks.
 
 Consecutive decode steps select largely the same chunks, so only the misses are rebuilt (keys) and
 fetched from host memory (values). The hit rate sets the PCIe bytes per step.
+
+Held chunks never move: the scan keeps a slot while its chunk is still wanted and gives each new chunk a
+freed slot, flagging it as a miss. On CUDA the three steps are kernels of fixed size (no host
+synchronisation): the scan on the current stream; the value fetch from pinned host memory on a side stream,
+overlapping the key rebuild on the current stream; the current stream then waits for the fetch.
 """
 
 from __future__ import annotations
@@ -11,19 +16,32 @@ from __future__ import annotations
 import torch
 
 from .compressed_prompt import CompressedPrompt
-from .ops.rebuild_keys import RopeFn, rebuild_keys
+from .ops.gather_values import gather_values
+from .ops.rebuild_keys import RopeFn, rebuild_missed_keys
+from .ops.temporal_scan import temporal_scan
 
 __all__ = ["TemporalCache"]
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One fetch stream per device, shared by all caches."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 class TemporalCache:
     """Selected chunks of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, c, D]`."""
 
     def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        self.ids, self.keys, self.values = ids, keys, values
+        self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
         # Counted on the device so that statistics never force a host synchronisation.
         self.hits = torch.zeros((), dtype=torch.int64, device=ids.device)
         self.lookups = torch.zeros((), dtype=torch.int64, device=ids.device)
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     @classmethod
     def empty(cls, prompt: CompressedPrompt, num_slots: int) -> TemporalCache:
@@ -38,24 +56,33 @@ class TemporalCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values))
 
+    @property
+    def held(self) -> torch.Tensor:
+        """`[B, Hkv, K]` bool: slots that hold a chunk (the attention mask of the selected part)."""
+        return self.ids >= 0
+
     def refresh(self, wanted: torch.Tensor, valid: torch.Tensor, prompt: CompressedPrompt, rope: RopeFn) -> None:
-        """Hold the chunks `wanted` (`[B, Hkv, K]`, where `valid`): reuse hits, rebuild and fetch misses."""
-        c, d = self.keys.shape[-2:]
-        same = wanted[..., :, None] == self.ids[..., None, :]  # [B, Hkv, K(new), K(old)]
-        hit = same.any(dim=-1) & valid
-        source = same.int().argmax(dim=-1)[..., None, None].expand(-1, -1, -1, c, d)
-        keys = torch.gather(self.keys, 2, source)
-        values = torch.gather(self.values, 2, source)
-        rows, heads, slots = (valid & ~hit).nonzero(as_tuple=True)  # PyTorch path: a host synchronisation
-        if rows.numel():
-            chunks = wanted[rows, heads, slots]
-            keys[rows, heads, slots] = rebuild_keys(
-                prompt.a, prompt.b, prompt.positions, rows, heads, chunks, prompt.chunk_size, rope
-            ).to(keys.dtype)
-            values[rows, heads, slots] = prompt.values.gather(rows, heads, chunks, keys.device).to(values.dtype)
-        self.ids = wanted.masked_fill(~valid, -1)
-        self.keys, self.values = keys, values
-        self.hits += hit.sum()
+        """Hold the chunks `wanted` (`[B, Hkv, K]`, where `valid`): keep hits, rebuild and fetch misses."""
+        self.ids, miss = temporal_scan(self.ids, wanted, valid)
+        if self.keys.is_cuda:
+            main = torch.cuda.current_stream(self.keys.device)
+            side = _side_stream(self.keys.device)
+            if self._events is None:
+                self._events = (torch.cuda.Event(), torch.cuda.Event())
+            scanned, fetched = self._events
+            scanned.record(main)
+            side.wait_event(scanned)
+            # Tensors used on the side stream were made on the main stream, which waits for `fetched` below
+            # before any later work, so the caching allocator cannot hand them out while the fetch runs.
+            with torch.cuda.stream(side):
+                gather_values(self.values, self.ids, miss, prompt.values)
+                fetched.record(side)
+            rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
+            main.wait_event(fetched)
+        else:
+            gather_values(self.values, self.ids, miss, prompt.values)
+            rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
+        self.hits += (valid.sum() - miss.sum()).clamp(min=0)
         self.lookups += valid.sum()
 
     def select_rows(self, index: torch.Tensor) -> TemporalCache:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .pinned_pool import pinned_pool
+
 __all__ = ["HostValueStore"]
 
 
@@ -27,15 +29,23 @@ class HostValueStore:
             raise ValueError(f"HostValueStore holds host memory; got a tensor on {data.device}")
         self.data = data
         self.row_map = row_map
+        self._device_pointer: int | None = None
+        self._device_row_map: torch.Tensor | None = None
 
     @classmethod
     def offload(cls, values: torch.Tensor, pin: bool) -> HostValueStore:
-        """Copy `values` (`[B, Hkv, C, c, D]`, any device) to host memory, pinned if `pin`."""
+        """Copy `values` (`[B, Hkv, C, c, D]`, any device) to host memory, pinned if `pin`.
+
+        Pinned stores come from the process-wide `pinned_pool()`, which pins once and reuses blocks across
+        caches and requests (pinning fresh memory is slow).
+        """
         if values.device.type == "cpu" and not pin:
             data = values.contiguous().clone()
+        elif not pin:
+            data = values.to("cpu")
         else:
             try:
-                data = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
+                data = pinned_pool().allocate(values.shape, values.dtype)
             except RuntimeError as err:
                 raise RuntimeError(
                     f"Could not pin {values.numel() * values.element_size() / 2**30:.2f} GiB of host memory for "
@@ -44,15 +54,36 @@ class HostValueStore:
                 ) from err
             # A blocking copy: the store is read by host-side gathers right after prefill.
             data.copy_(values)
-        return cls(data, torch.arange(values.shape[0]))
+        store = cls(data, torch.arange(values.shape[0]))
+        if values.is_cuda:  # made now, so the first decode step does not copy it (a host synchronisation)
+            store._device_row_map = torch.arange(values.shape[0], device=values.device)
+        return store
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def device_pointer(self) -> int:
+        """The device-visible address of the pinned `data` (for zero-copy kernels; needs cuda-python)."""
+        if self._device_pointer is None:
+            from .kernel_loader import host_device_pointer
+
+            self._device_pointer = host_device_pointer(self.data)
+        return self._device_pointer
+
+    def device_row_map(self, device: torch.device) -> torch.Tensor:
+        """`row_map` on `device`, copied once."""
+        if self._device_row_map is None or self._device_row_map.device != device:
+            self._device_row_map = self.row_map.to(device)
+        return self._device_row_map
+
     def select_rows(self, index: torch.Tensor) -> HostValueStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        return HostValueStore(self.data, self.row_map[index.to("cpu")])
+        out = HostValueStore(self.data, self.row_map[index.to("cpu")])
+        if self._device_row_map is not None:
+            out._device_row_map = self._device_row_map[index.to(self._device_row_map.device)]
+        out._device_pointer = self._device_pointer
+        return out
 
     def gather(
         self, rows: torch.Tensor, heads: torch.Tensor, chunks: torch.Tensor, device: torch.device

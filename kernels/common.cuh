@@ -1,0 +1,72 @@
+// Shared helpers for the shadowkv_cache kernels (compiled by NVRTC, so no CUDA headers are included).
+//
+// Element types travel as 16-bit patterns: `bf16` and `f16` wrap an unsigned short and convert through PTX,
+// so the kernels need neither cuda_bf16.h nor cuda_fp16.h (NVRTC has no include path to them).
+#pragma once
+
+struct __align__(2) bf16 { unsigned short x; };
+struct __align__(2) f16 { unsigned short x; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+__device__ __forceinline__ float to_f32(f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float f);
+template <> __device__ __forceinline__ float from_f32<float>(float f) { return f; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) {
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
+    return r;
+}
+template <> __device__ __forceinline__ f16 from_f32<f16>(float f) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
+    return r;
+}
+
+/// \brief Round `f` to the precision of `T` and back (what a PyTorch op in dtype `T` would store).
+template <typename T> __device__ __forceinline__ float round_to(float f) { return to_f32(from_f32<T>(f)); }
+
+/// \brief Exclusive prefix sum of `data[0:n]` in shared memory, in place, by the whole block.
+/// \param data  [n] int, shared memory
+/// \param warp_sums  [32] int, shared memory scratch
+/// \return the total, to every thread
+__device__ __forceinline__ int block_exclusive_scan(int* data, int n, int* warp_sums) {
+    const int tid = threadIdx.x, threads = blockDim.x;
+    const int per = (n + threads - 1) / threads;
+    const int begin = min(tid * per, n), end = min(begin + per, n);
+    int local = 0;
+    for (int i = begin; i < end; ++i) local += data[i];
+    // Inclusive scan of the per-thread sums: within each warp, then across warps.
+    const int lane = tid & 31, warp = tid >> 5;
+    int incl = local;
+    for (int off = 1; off < 32; off <<= 1) {
+        int up = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += up;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int num_warps = (threads + 31) >> 5;
+        int w = lane < num_warps ? warp_sums[lane] : 0;
+        for (int off = 1; off < 32; off <<= 1) {
+            int up = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += up;
+        }
+        if (lane < num_warps) warp_sums[lane] = w;  // inclusive per warp
+    }
+    __syncthreads();
+    int running = incl - local + (warp > 0 ? warp_sums[warp - 1] : 0);
+    for (int i = begin; i < end; ++i) {
+        int v = data[i];
+        data[i] = running;
+        running += v;
+    }
+    const int total = warp_sums[((threads + 31) >> 5) - 1];
+    __syncthreads();
+    return total;
+}

@@ -1,0 +1,67 @@
+"""Temporal-cache scan: which selected chunks are already held (hits), and which slot each miss takes.
+
+Legend: B batch, Hkv KV heads, K slots (selected chunks per head).
+
+Held keys and values never move: a slot keeps its chunk while that chunk is still wanted; every newly
+wanted chunk takes a freed slot (the m-th new chunk in wanted order goes to the m-th free slot in slot
+order); free slots left over become empty (-1). Fixed-size outputs, so nothing here waits for the host.
+Kernel: `kernels/temporal_scan.cu`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..kernel_loader import kernels_available, load_kernels
+
+__all__ = ["MAX_KERNEL_SLOTS", "temporal_scan", "temporal_scan_reference"]
+
+MAX_KERNEL_SLOTS = 2048  # the kernel keeps 22 bytes of shared memory per slot
+
+
+def temporal_scan_reference(
+    ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch twin: `(new ids [B, Hkv, K] int64, miss [B, Hkv, K] bool)` (see the module docstring)."""
+    want = wanted.masked_fill(~valid, -1)
+    held = ids >= 0
+    keep = held & (ids[..., :, None] == want[..., None, :]).any(dim=-1)  # [B, Hkv, K] per slot
+    new = (want >= 0) & ~(want[..., :, None] == ids[..., None, :]).any(dim=-1)  # [B, Hkv, K] per wanted entry
+    free = ~keep
+    free_rank = free.long().cumsum(dim=-1) - 1
+    # New chunks in wanted order first (a stable sort of "is not new"), then the rest.
+    order = torch.sort((~new).to(torch.uint8), dim=-1, stable=True).indices
+    new_in_order = want.gather(-1, order)
+    num_new = new.sum(dim=-1, keepdim=True)
+    takes = free & (free_rank < num_new)
+    incoming = new_in_order.gather(-1, free_rank.clamp(min=0))
+    new_ids = torch.where(takes, incoming, torch.where(keep, ids, torch.full_like(ids, -1)))
+    return new_ids, takes
+
+
+def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Update the held chunk ids for this step's selection; returns `(ids, miss)`.
+
+    Args:
+        ids (`torch.Tensor`): `[B, Hkv, K]` int64, chunk held by each slot (-1 = empty). The kernel updates it
+            in place and returns it; the twin returns a new tensor.
+        wanted (`torch.Tensor`): `[B, Hkv, K]` int64, chunks selected this step (distinct where valid).
+        valid (`torch.Tensor`): `[B, Hkv, K]` bool, which entries of `wanted` count.
+    """
+    num_slots = ids.shape[-1]
+    if not (kernels_available(ids.device) and 0 < num_slots <= MAX_KERNEL_SLOTS and ids.is_contiguous()):
+        return temporal_scan_reference(ids, wanted, valid)
+    kernels = load_kernels("temporal_scan", ids.device)
+    miss = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+    rows = ids.numel() // num_slots
+    if rows:
+        kernels.launch(
+            "temporal_scan",
+            grid=(rows, 1, 1),
+            block=(256, 1, 1),
+            args=[ids, wanted.contiguous(), valid.contiguous(), miss, (num_slots, ctypes.c_int)],
+            shared_bytes=22 * num_slots,
+        )
+    return ids, miss

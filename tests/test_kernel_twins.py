@@ -1,0 +1,220 @@
+"""CPU tests of the kernels' PyTorch twins, the pinned pool's bookkeeping and the kernel loader's JIT contract.
+
+Legend: B batch, Hkv KV heads, K slots, C chunks, c chunk size, D head dim.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shadowkv_cache import kernel_loader
+from shadowkv_cache.ops.gather_values import gather_values
+from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
+from shadowkv_cache.pinned_pool import PinnedPool
+from shadowkv_cache.value_store import HostValueStore
+
+
+def random_scan_case(batch: int, heads: int, slots: int, chunks: int, seed: int):
+    """Old ids (distinct per head, some empty), wanted (distinct, overlapping the old), valid (a budget per row)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((batch, heads, slots), -1, dtype=torch.int64)
+    wanted = torch.empty((batch, heads, slots), dtype=torch.int64)
+    for b in range(batch):
+        for h in range(heads):
+            perm = torch.randperm(chunks, generator=gen)
+            held = int(torch.randint(0, slots + 1, (), generator=gen))
+            ids[b, h, torch.randperm(slots, generator=gen)[:held]] = perm[:held]
+            shift = int(torch.randint(0, chunks - slots + 1, (), generator=gen))
+            wanted[b, h] = perm[shift : shift + slots]
+    budget = torch.randint(0, slots + 1, (batch, 1, 1), generator=gen)
+    valid = (torch.arange(slots) < budget).expand(batch, heads, slots)
+    return ids, wanted, valid
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    slots=st.integers(1, 13),
+    extra=st.integers(0, 40),
+    seed=st.integers(0, 10**6),
+)
+def test_temporal_scan_twin_holds_exactly_the_wanted_chunks(batch, heads, slots, extra, seed):
+    ids, wanted, valid = random_scan_case(batch, heads, slots, slots + extra, seed)
+    new_ids, miss = temporal_scan_reference(ids, wanted, valid)
+    for b in range(batch):
+        for h in range(heads):
+            want = set(wanted[b, h][valid[b, h]].tolist())
+            held = [x for x in new_ids[b, h].tolist() if x >= 0]
+            assert sorted(held) == sorted(want)  # every wanted chunk held once, nothing else
+            for s in range(slots):
+                old, new = int(ids[b, h, s]), int(new_ids[b, h, s])
+                if old in want:  # a hit never moves
+                    assert new == old and not miss[b, h, s]
+                # a miss is a slot that got a chunk it did not hold
+                assert bool(miss[b, h, s]) == (new >= 0 and new != old and new not in ids[b, h].tolist())
+            assert int(miss[b, h].sum()) == len(want - set(ids[b, h].tolist()))
+
+
+def test_temporal_scan_twin_fills_free_slots_in_order():
+    ids = torch.tensor([[[5, -1, 7, 9]]])
+    wanted = torch.tensor([[[9, 1, 2, 3]]])
+    valid = torch.tensor([[[True, True, True, False]]])
+    new_ids, miss = temporal_scan_reference(ids, wanted, valid)
+    # 9 stays in slot 3; new chunks 1, 2 take free slots 0, 1; slot 2 (7, no longer wanted) empties.
+    assert new_ids.tolist() == [[[1, 2, -1, 9]]]
+    assert miss.tolist() == [[[True, True, False, False]]]
+
+
+def test_gather_values_twin_reads_the_store_through_row_map():
+    data = torch.randn(3, 2, 11, 4, 5)
+    store = HostValueStore.offload(data, pin=False).select_rows(torch.tensor([2, 0]))
+    ids = torch.randint(0, 11, (2, 2, 7))
+    miss = torch.rand(2, 2, 7) < 0.5
+    values = torch.zeros(2, 2, 7, 4, 5)
+    gather_values(values, ids, miss, store)
+    rows = torch.tensor([2, 0])
+    for b in range(2):
+        for h in range(2):
+            for k in range(7):
+                expected = data[rows[b], h, ids[b, h, k]] if miss[b, h, k] else torch.zeros(4, 5)
+                assert torch.equal(values[b, h, k], expected)
+
+
+class FakePinning:
+    def __init__(self, fail_after: int | None = None):
+        self.pinned, self.unpinned, self.fail_after = [], [], fail_after
+
+    def register(self, t):
+        if self.fail_after is not None and len(self.pinned) - len(self.unpinned) >= self.fail_after:
+            raise RuntimeError("out of pinnable memory")
+        self.pinned.append(t.data_ptr())
+
+    def unregister(self, t):
+        self.unpinned.append(t.data_ptr())
+
+
+def test_pinned_pool_reuses_freed_blocks_and_grows():
+    pins = FakePinning()
+    pool = PinnedPool(pins.register, pins.unregister)
+    a = pool.allocate((4, 1000), torch.float32)
+    assert a.shape == (4, 1000) and a.dtype == torch.float32
+    first = a.data_ptr()
+    b = pool.allocate((4, 1000), torch.float32)  # a is in use: a second block
+    assert len(pins.pinned) == 2 and b.data_ptr() != first
+    del a
+    c = pool.allocate((2, 2000), torch.float32)  # same bytes: the freed block is reused, nothing pinned
+    assert c.data_ptr() == first and len(pins.pinned) == 2
+    assert pool.used_bytes == pool.pinned_bytes
+    del b, c
+    assert pool.used_bytes == 0
+    pinned = pool.pinned_bytes
+    assert pool.release_cached() == pinned
+    assert len(pins.unpinned) == 2 and pool.pinned_bytes == 0
+
+
+def test_pinned_pool_does_not_spend_a_large_block_on_a_small_request():
+    pins = FakePinning()
+    pool = PinnedPool(pins.register, pins.unregister)
+    big = pool.allocate((64 << 20,), torch.uint8)
+    del big
+    small = pool.allocate((1 << 20,), torch.uint8)
+    assert len(pins.pinned) == 2 and pool.pinned_bytes == (64 << 20) + (2 << 20)
+    del small
+
+
+def test_pinned_pool_frees_cached_blocks_when_pinning_fails():
+    pins = FakePinning(fail_after=1)
+    pool = PinnedPool(pins.register, pins.unregister)
+    a = pool.allocate((64 << 20,), torch.uint8)
+    del a  # free but still pinned
+    b = pool.allocate((4 << 20,), torch.uint8)  # too small for the free block; pinning fails once, retried
+    assert pins.unpinned and pool.pinned_bytes == 4 << 20
+    c = None
+    with pytest.raises(RuntimeError):
+        c = pool.allocate((4 << 20,), torch.uint8)  # nothing left to release
+    del b, c
+
+
+def test_loader_compiles_once_then_reads_the_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHADOWKV_NO_COMPILE", raising=False)
+    calls = []
+
+    def fake_compile(name, source, headers, options):
+        calls.append((name, tuple(options)))
+        assert "common.cuh" in headers and "extern" in source
+        return b"cubin:" + name.encode()
+
+    first = kernel_loader.cubin_for("temporal_scan", "sm_90", fake_compile, tmp_path)
+    again = kernel_loader.cubin_for("temporal_scan", "sm_90", fake_compile, tmp_path)
+    assert first == again == b"cubin:temporal_scan.cu" and len(calls) == 1
+    assert "--gpu-architecture=sm_90" in calls[0][1]
+    kernel_loader.cubin_for("temporal_scan", "sm_80", fake_compile, tmp_path)  # another arch: another file
+    assert len(calls) == 2
+    names = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert len(names) == 2 and all(n.startswith(f"temporal_scan-{kernel_loader._package_version()}-sm_") for n in names)
+    assert not list(tmp_path.glob(".*"))  # no temporary files left behind
+
+
+def test_loader_cache_key_follows_the_source(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.cu").write_text("extern void k();")
+    (src / "common.cuh").write_text("// v1")
+    monkeypatch.setattr(kernel_loader, "source_dir", lambda: src)
+    compiled = []
+
+    def fake(name, source, headers, options):
+        compiled.append(headers["common.cuh"])
+        return b"x"
+
+    kernel_loader.cubin_for("k", "sm_90", fake, tmp_path / "cache")
+    (src / "common.cuh").write_text("// v2")  # a header change must recompile
+    kernel_loader.cubin_for("k", "sm_90", fake, tmp_path / "cache")
+    assert compiled == ["// v1", "// v2"]
+
+
+def test_loader_no_compile_switch_raises_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHADOWKV_NO_COMPILE", "1")
+    with pytest.raises(kernel_loader.KernelError, match="SHADOWKV_NO_COMPILE"):
+        kernel_loader.cubin_for("gather_values", "sm_90", lambda *a: b"x", tmp_path)
+
+
+def test_loader_names_a_missing_source(tmp_path):
+    with pytest.raises(kernel_loader.KernelError, match="not found"):
+        kernel_loader.cubin_for("no_such_kernel", "sm_90", lambda *a: b"x", tmp_path)
+
+
+def test_loader_without_cuda_python_says_how_to_install(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name.startswith("cuda"):
+            raise ImportError("no module named cuda")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    with pytest.raises(kernel_loader.KernelError, match=r"shadowkv-cache\[cuda\]"):
+        kernel_loader._cuda_bindings()
+
+
+def test_every_kernel_source_is_found():
+    for stem in ("temporal_scan", "rebuild_keys", "gather_values"):
+        source, headers = kernel_loader._sources(stem)
+        assert "\\brief" in source and "common.cuh" in headers
+
+
+def test_nvrtc_compiles_every_kernel_when_available(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        kernel_loader._nvrtc_compile("probe.cu", 'extern "C" __global__ void k() {}', {}, ["--gpu-architecture=sm_90"])
+    except Exception as err:  # cuda-python without an NVRTC library
+        pytest.skip(f"NVRTC unusable here: {err}")
+    for stem in ("temporal_scan", "rebuild_keys", "gather_values"):
+        cubin = kernel_loader.cubin_for(stem, "sm_90", directory=tmp_path)
+        assert cubin[:4] == b"\x7fELF"

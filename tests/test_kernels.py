@@ -1,0 +1,161 @@
+"""CUDA kernels against their PyTorch twins, and the decode step without host synchronisation.
+
+Run on a CUDA machine with cuda-python: `python -m pytest -m gpu -q tests/test_kernels.py`.
+Legend: B batch, Hkv KV heads, K slots, C chunks, c chunk size, D head dim, Tc compressed tokens, R rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import forward_with, make_tiny_model, random_prompt, small_budget_overrides
+from test_kernel_twins import random_scan_case
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.adapters import patch_model
+from shadowkv_cache.kernel_loader import kernels_available
+from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
+from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
+from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
+from shadowkv_cache.value_store import HostValueStore
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+CUDA = torch.device("cuda")
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+@pytest.fixture(autouse=True)
+def needs_kernels():
+    if not kernels_available(CUDA):
+        pytest.fail('cuda-python is missing: pip install "shadowkv-cache[cuda]" (cuda-bindings) to test the kernels')
+
+
+@pytest.mark.parametrize(
+    "batch, heads, slots, chunks",
+    [(1, 1, 13, 13), (3, 2, 51, 77), (2, 8, 77, 311), (2, 8, 256, 16376), (1, 3, 2048, 5000), (5, 1, 1, 3)],
+)
+def test_temporal_scan_kernel_matches_twin(batch, heads, slots, chunks):
+    for seed in range(3):
+        ids, wanted, valid = random_scan_case(batch, heads, slots, chunks, seed)
+        ref_ids, ref_miss = temporal_scan_reference(ids, wanted, valid)
+        got_ids, got_miss = temporal_scan(ids.cuda(), wanted.cuda(), valid.cuda())
+        assert torch.equal(got_ids.cpu(), ref_ids)
+        assert torch.equal(got_miss.cpu(), ref_miss)
+
+
+def llama3_rope():
+    """A real rotate-half RoPE with Llama-3 frequency scaling and a large theta, on the GPU."""
+    model = make_tiny_model(
+        "llama",
+        head_dim=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ).cuda()
+    return patch_model(model).rope
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "batch, heads, slots, chunks, c, dim, rank",
+    [(2, 3, 13, 51, 8, 128, 77), (1, 8, 311, 400, 8, 128, 160), (3, 2, 7, 9, 5, 64, 13)],
+)
+def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c, dim, rank):
+    torch.manual_seed(0)
+    rope = llama3_rope()
+    if dim != 128:  # another head dim: a plain RoPE of that size
+        rope = patch_model(
+            make_tiny_model(
+                "qwen2", head_dim=dim, hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=1
+            ).cuda()
+        ).rope
+    tc = chunks * c
+    a = (torch.randn(batch, tc, rank, device=CUDA) / rank**0.5).to(dtype)
+    b = torch.randn(batch, rank, heads, dim, device=CUDA).to(dtype)
+    positions = (torch.arange(tc, device=CUDA) * 13 + 100_000)[None].expand(batch, tc).contiguous()
+    ids = torch.stack([torch.randperm(chunks, device=CUDA)[:slots] for _ in range(batch * heads)]).view(
+        batch, heads, slots
+    )
+    miss = torch.rand(batch, heads, slots, device=CUDA) < 0.6
+    before = torch.randn(batch, heads, slots, c, dim, device=CUDA).to(dtype)
+    keys = before.clone()
+    rebuild_missed_keys(keys, ids, miss, a, b, positions, rope)
+
+    rows, hs, ss = miss.nonzero(as_tuple=True)
+    expected = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, ss], c, rope)
+    rtol, atol = TOLERANCE[dtype]
+    scale = expected.float().abs().amax().item()
+    torch.testing.assert_close(keys[rows, hs, ss].float(), expected.float(), rtol=rtol, atol=atol * scale)
+    assert torch.equal(keys[~miss], before[~miss])  # hits untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 5), (4, 2, 77, 77, 8, 64)]
+)
+def test_gather_values_kernel_matches_twin(dtype, rows, heads, slots, chunks, c, dim):
+    data = torch.randn(rows, heads, chunks, c, dim).to(dtype)
+    store = HostValueStore.offload(data.cuda(), pin=True).select_rows(torch.tensor([rows - 1, 0, rows - 1]))
+    assert store.data.is_pinned()
+    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
+    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
+    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
+    ref = got.clone()
+    gather_values(got, ids, miss, store)
+    gather_values_reference(ref, ids, miss, store)
+    torch.cuda.synchronize()
+    assert torch.equal(got, ref)
+
+
+def compressed_cuda_cache(arch="llama", dtype=torch.float32):
+    model = make_tiny_model(arch).to(CUDA, dtype)
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    forward_with(model, random_prompt(301).to(CUDA), cache)
+    return model, cache
+
+
+def test_decode_step_does_not_synchronise_with_the_host():
+    model, cache = compressed_cuda_cache()
+    layer = cache.layers[0]
+    assert layer.is_compressed
+    heads, dim = model.config.num_attention_heads, model.config.head_dim
+    kv_heads = model.config.num_key_value_heads
+    for _ in range(3):
+        query = torch.randn(1, heads, 1, dim, device=CUDA)
+        k, v = torch.randn(2, 1, kv_heads, 1, dim, device=CUDA)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer.update(k, v)
+            out = layer.sparse_attention(query, None, dim**-0.5)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert out.shape == (1, 1, heads, dim) and torch.isfinite(out).all()
+    assert int(layer.temporal.lookups) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kernel_path_matches_twin_path_end_to_end(arch, monkeypatch):
+    from helpers import generate_with
+
+    ids = random_prompt(301).to(CUDA)
+    model = make_tiny_model(arch).to(CUDA)
+    with_kernels = generate_with(model, ids, ShadowKVCache(model, **small_budget_overrides()))
+    monkeypatch.setenv("SHADOWKV_KERNELS", "0")
+    twins = generate_with(model, ids, ShadowKVCache(model, **small_budget_overrides()))
+    assert torch.equal(with_kernels.sequences, twins.sequences)
+    torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
