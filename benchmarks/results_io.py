@@ -43,8 +43,8 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def write_results(name: str, title: str, env: dict, rows: list[dict], columns: list[str], plot: dict) -> None:
-    """Write `results/<name>.json`, `.md` and `.png` (one line per `plot['series']` value)."""
+def write_results(name: str, title: str, env: dict, rows: list[dict], columns: list[str], plot: dict | None) -> None:
+    """Write `results/<name>.json`, `.md` and `.png` (one line per `plot['series']` value; no plot if `None`)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     _atomic_write(RESULTS / f"{name}.json", json.dumps({"title": title, "env": env, "rows": rows}, indent=1).encode())
     lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -57,6 +57,8 @@ def write_results(name: str, title: str, env: dict, rows: list[dict], columns: l
         "",
     ]
     _atomic_write(RESULTS / f"{name}.md", "\n".join(lines).encode())
+    if plot is None:
+        return
 
     import matplotlib
 
