@@ -5,11 +5,13 @@ from .cache import ShadowKVCache
 from .config import ShadowKVConfig
 from .memory_report import MemoryReport
 from .policies import LandmarkTopK, SelectionPolicy
+from .prefix import PrefixCacheError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "LandmarkTopK",
     "MemoryReport",
+    "PrefixCacheError",
     "SelectionPolicy",
     "ShadowKVCache",
     "ShadowKVConfig",

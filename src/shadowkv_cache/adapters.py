@@ -5,7 +5,9 @@ which sees neither the cache nor the pre-RoPE keys. Two public seams fill the ga
 - a forward pre-hook on each attention module records the step (cache, layer, positions) for the
   attention function (`current_step`);
 - a wrapper around the modeling module's `apply_rotary_pos_emb` (looked up by global name at call time)
-  records the exact pre-RoPE keys; inverting RoPE from bf16 cos/sin would be off by about one ulp.
+  records the exact pre-RoPE keys; inverting RoPE from bf16 cos/sin would be off by about one ulp;
+- a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
+  `generate` was given (the forward only sees the uncached tokens).
 Nothing is patched at import; `patch_model` is idempotent and `unpatch_model` undoes it.
 """
 
@@ -144,6 +146,7 @@ def patch_model(model: nn.Module) -> ModelAdapter:
     for module in _attention_modules(model, modeling):
         adapter.handles.append(module.register_forward_pre_hook(_enter_attention, with_kwargs=True))
         adapter.handles.append(module.register_forward_hook(_leave_attention, always_call=True))
+    adapter.handles.append(_InstanceWrapper(model, "prepare_inputs_for_generation", _checking_prefix))
     model.set_attn_implementation(ATTENTION_NAME)
     _ADAPTERS[model] = adapter
     return adapter
@@ -173,6 +176,41 @@ def _recording_rotary(original: Callable) -> Callable:
 
     apply_rotary_pos_emb.__shadowkv_original__ = original
     return apply_rotary_pos_emb
+
+
+def _checking_prefix(original: Callable) -> Callable:
+    """`generate` passes each step's full ids to `prepare_inputs_for_generation` (the forward only sees the
+    uncached ones): a cache that holds a saved prefix checks there, before the first forward, that the ids start
+    with it (`check_prefix_ids`)."""
+
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        check = getattr(cache, "check_prefix_ids", None)
+        if check is not None and isinstance(input_ids, torch.Tensor):
+            check(input_ids)
+        return original(*args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
+class _InstanceWrapper:
+    """Wraps a method on one object (an instance attribute over its class's method); `remove` undoes it."""
+
+    def __init__(self, obj: Any, name: str, wrap: Callable[[Callable], Callable]):
+        self.obj, self.name = weakref.ref(obj), name  # weak: the adapter must not keep a dropped model alive
+        self.previous = vars(obj).get(name)  # an instance attribute that was already there, if any
+        setattr(obj, name, wrap(getattr(obj, name)))
+
+    def remove(self) -> None:
+        obj = self.obj()
+        if obj is None:
+            return
+        if self.previous is not None:
+            setattr(obj, self.name, self.previous)
+        elif self.name in vars(obj):
+            delattr(obj, self.name)
 
 
 def _enter_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:

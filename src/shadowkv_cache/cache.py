@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
+import weakref
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from . import prefix
 from .adapters import check_supported, patch_model
 from .config import ShadowKVConfig
 from .layer import ShadowKVLayer
@@ -34,6 +39,15 @@ class ShadowKVCache(Cache):
     >>> cache = ShadowKVCache(model, sparse_budget=1024)  # doctest: +SKIP
     >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
     >>> print(cache.memory_report())  # doctest: +SKIP
+
+    A document prefilled once serves many questions, in this process (`fork`) or later ones (`save_prefix`,
+    `load_prefix`); `generate` gets the document ids followed by the question's:
+
+    >>> doc = ShadowKVCache.prefill(model, doc_ids, sparse_budget=1024)  # doctest: +SKIP
+    >>> doc.save_prefix("doc.safetensors")  # doctest: +SKIP
+    >>> doc = ShadowKVCache.load_prefix(model, "doc.safetensors")  # doctest: +SKIP
+    >>> ids = torch.cat([doc.prefix_ids, question_ids])[None]  # doctest: +SKIP
+    >>> out = model.generate(ids, past_key_values=doc.fork(), max_new_tokens=64)  # doctest: +SKIP
     """
 
     def __init__(
@@ -64,10 +78,118 @@ class ShadowKVCache(Cache):
         self.policy = policy or LandmarkTopK()
         layers = [ShadowKVLayer(config, self.policy, adapter.rope) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
+        self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
+        self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
+        self._prefix_checked = False
 
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def reset(self) -> None:
+        super().reset()
+        self._prefix_ids, self._prefix_checked = None, False
+
+    # -- prefix reuse (format and checks in prefix.py) -------------------------------------------------------
+
+    @classmethod
+    def prefill(
+        cls,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        config: ShadowKVConfig | None = None,
+        policy: SelectionPolicy | None = None,
+        progress: bool = False,
+        **overrides,
+    ) -> ShadowKVCache:
+        """A new one-row cache holding the document `input_ids` (`[S]` or `[1, S]`), ready to `save_prefix` or
+        `fork`: one forward pass (no generation), with a per-layer progress bar if `progress`."""
+        cache = cls(model, config, policy, **overrides)
+        ids = prefix.as_prefix_ids(input_ids)
+        prefix.prefill(model, ids, cache, progress=progress)
+        cache._prefix_ids = ids
+        return cache
+
+    @property
+    def prefix_ids(self) -> torch.Tensor | None:
+        """`[S]` int64 ids of the document this cache started from (`prefill`, `load_prefix`, `fork`), else None."""
+        return self._prefix_ids
+
+    def save_prefix(self, path: str | os.PathLike, input_ids: torch.Tensor | None = None) -> None:
+        """Save this one-row cache's document to a `.safetensors` file (atomically; format in prefix.py).
+
+        Args:
+            path (`str` or `os.PathLike`): the file to write (replaced if it exists).
+            input_ids (`torch.Tensor`, *optional*): the document's ids (`[S]` or `[1, S]`); needed only when the
+                cache was filled by a plain forward rather than `prefill`/`load_prefix`. The cache must hold
+                exactly these tokens: save before generating.
+        """
+        model = self._model()
+        if model is None:
+            raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
+        if input_ids is None and self._prefix_ids is None:
+            raise prefix.PrefixCacheError(
+                "save_prefix needs the document's ids: pass input_ids=..., or make the cache with "
+                "ShadowKVCache.prefill(model, ids)."
+            )
+        ids = prefix.as_prefix_ids(input_ids if input_ids is not None else self._prefix_ids)
+        if self._prefix_ids is not None and not torch.equal(ids, self._prefix_ids):
+            raise prefix.PrefixCacheError("input_ids are not the document this cache was prefilled with.")
+        layers = [(layer.prompt, layer.keys, layer.values) for layer in self.layers]
+        prefix.write_prefix(path, model, self.config, self.policy, ids, layers)
+        self._prefix_ids = ids
+
+    @classmethod
+    def load_prefix(
+        cls,
+        model: nn.Module,
+        path: str | os.PathLike,
+        config: ShadowKVConfig | None = None,
+        policy: SelectionPolicy | None = None,
+        **overrides,
+    ) -> ShadowKVCache:
+        """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
+
+        The file's model identity, config, version and every tensor's shape and dtype are checked before
+        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget` and
+        `pin_memory` may differ from the saved config. The temporal cache starts empty.
+        """
+        state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides)
+        cache = cls(model, state.config, state.policy)
+        for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
+            layer.set_prefix(prompt, keys, values)
+        cache._prefix_ids = state.token_ids
+        return cache
+
+    def fork(self, batch_size: int = 1) -> ShadowKVCache:
+        """A cache of `batch_size` rows that all start from this cache's one-row prefix and share it.
+
+        The document's device tensors (factors, landmarks, outliers, local window) and host values are held
+        once, whatever `batch_size`; each row has its own temporal cache and its own question and generated
+        tokens. This cache is left as it is, so it can be forked again. For a batch of questions build the
+        input with `shadowkv_cache.prefix.batch_questions`.
+        """
+        rows = {layer.keys.shape[0] for layer in self.layers if layer.is_initialized}
+        after = {layer.keys.shape[2] for layer in self.layers if layer.is_compressed}
+        known = self._prefix_ids is not None and self.get_seq_length() != len(self._prefix_ids)
+        if rows != {1} or after - {0} or known or not all(layer.is_initialized for layer in self.layers):
+            raise prefix.PrefixCacheError(
+                "fork() needs a one-row cache that holds only a document (right after prefill or load_prefix); "
+                f"this one has {sorted(rows)} row(s) and {sorted(after)} token(s) after its compressed prompt."
+            )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+        forked = copy.copy(self)
+        forked.layers = [layer.fork(batch_size) for layer in self.layers]
+        forked._prefix_checked = False
+        return forked
+
+    def check_prefix_ids(self, input_ids: torch.Tensor) -> None:
+        """Called with the full ids `generate` got: they must start with this cache's prefix (once per cache)."""
+        if self._prefix_ids is None or self._prefix_checked:
+            return
+        prefix.check_prefix_ids(self._prefix_ids, input_ids, rows=self.layers[0].keys.shape[0])
+        self._prefix_checked = True
 
     def memory_report(self) -> MemoryReport:
         """Device and host bytes per layer and in total, the ratio to `DynamicCache`, and the hit rate so far."""

@@ -26,7 +26,11 @@ __all__ = ["CompressedPrompt", "compress_prompt"]
 
 @dataclass
 class CompressedPrompt:
-    """Tensors (first dim = batch row) that stand for one layer's prompt after compression."""
+    """Tensors (first dim = batch row) that stand for one layer's prompt after compression.
+
+    Rows that hold one document (a prefix shared by several questions) are `expand` views of one copy: their
+    first dim has stride 0. Readers index rows as usual; nothing here writes into these tensors.
+    """
 
     a: torch.Tensor  # [B, Tc, R] left factor, KV dtype
     b: torch.Tensor  # [B, R, Hkv, D] right factor, KV dtype
@@ -50,8 +54,32 @@ class CompressedPrompt:
         "outlier_valid", "local_keys", "local_values", "local_valid",
     )  # fmt: skip
 
+    @property
+    def is_one_document(self) -> bool:
+        """True when every row holds the same document: one row, or rows that share one copy (`shared`)."""
+        return self.a.shape[0] == 1 or self.a.stride(0) == 0
+
+    def shared(self, batch_size: int) -> CompressedPrompt:
+        """This one-document prompt for `batch_size` rows that share it: every device tensor becomes an `expand`
+        view of the single copy (stride 0 over rows) and all rows reach the same host values. Nothing is copied;
+        what is per row (temporal cache, question and generated tokens) lives in the layer."""
+        if not self.is_one_document:
+            raise ValueError(f"Only a one-document prompt can be shared; this one has {self.a.shape[0]} rows.")
+
+        def share(t: torch.Tensor) -> torch.Tensor:
+            return t[:1].expand(batch_size, *t.shape[1:])
+
+        changes = {name: share(getattr(self, name)) for name in self._ROW_FIELDS}
+        changes["policy_state"] = {k: share(v) for k, v in self.policy_state.items()}
+        changes["values"] = self.values.select_rows(torch.zeros(batch_size, dtype=torch.int64))
+        kept = {f.name: getattr(self, f.name) for f in fields(self)}
+        return CompressedPrompt(**{**kept, **changes})
+
     def select_rows(self, index: torch.Tensor) -> CompressedPrompt:
-        """The same prompt for cache rows `index` (`[B']`); host values are shared, not copied."""
+        """The same prompt for cache rows `index` (`[B']`); host values are shared, not copied, and so is a
+        one-document prompt's device state (beam search or repeated rows over one prompt)."""
+        if self.is_one_document:
+            return self.shared(len(index))
         changes = {name: getattr(self, name)[index] for name in self._ROW_FIELDS}
         changes["policy_state"] = {k: v[index] for k, v in self.policy_state.items()}
         changes["values"] = self.values.select_rows(index)
@@ -60,8 +88,9 @@ class CompressedPrompt:
 
     @property
     def device_nbytes(self) -> int:
+        """Bytes held on the device; rows shared through a stride-0 view count once."""
         tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
 
 
 def compress_prompt(

@@ -98,6 +98,32 @@ class ShadowKVLayer(DynamicLayer):
         if self.temporal is not None:
             self.temporal = self.temporal.select_rows(index)
 
+    # -- prefix reuse -------------------------------------------------------------------------------------------
+
+    def set_prefix(self, prompt: CompressedPrompt | None, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start from a prefix (a loaded or shared document), with an empty temporal cache.
+
+        Args:
+            prompt (`CompressedPrompt`, *optional*): the compressed document; `None` for an exact layer.
+            keys, values (`torch.Tensor`): `[B, Hkv, G, D]` the exact tokens: the whole document of an exact
+                layer, none (`G = 0`) after a compressed prompt.
+        """
+        self.prompt = prompt
+        self.temporal = TemporalCache.empty(prompt, prompt.max_budget_chunks) if prompt is not None else None
+        self.keys, self.values = keys, values
+        self.device, self.dtype = keys.device, keys.dtype
+        self.is_initialized = True
+
+    def fork(self, batch_size: int) -> ShadowKVLayer:
+        """A layer of `batch_size` rows that starts from this one-row prefix and shares it: `expand` views of its
+        tensors and of its host values, no copy. Each row gets its own temporal cache and new tokens."""
+        layer = ShadowKVLayer(self.config, self.policy, self.rope)
+        if self.is_initialized:
+            shape = (batch_size, *self.keys.shape[1:])
+            prompt = self.prompt.shared(batch_size) if self.prompt is not None else None
+            layer.set_prefix(prompt, self.keys.expand(shape), self.values.expand(shape))
+        return layer
+
     # -- compression at prefill ----------------------------------------------------------------------------
 
     def compress(
@@ -142,7 +168,8 @@ class ShadowKVLayer(DynamicLayer):
         valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
         valid = valid.expand(-1, num_kv_heads, -1)
         if slots:  # with every chunk an outlier there is nothing to select
-            wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling)
+            real = real_queries(attention_mask, prompt.slots, self.keys.shape[2], query)
+            wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling, real)
             temporal.refresh(wanted, valid, prompt, self.rope)
 
         c = prompt.chunk_size
@@ -215,3 +242,18 @@ def new_token_mask(
         torch.arange(num_new, device=device)[None, :] <= torch.arange(num_new - q_len, num_new, device=device)[:, None]
     )
     return seen[None, None]
+
+
+def real_queries(
+    attention_mask: torch.Tensor | None, prompt_slots: int, num_new: int, query: torch.Tensor
+) -> torch.Tensor | None:
+    """`[B, T]` bool: the real tokens of a multi-token `query` step (a pad cannot see itself), or `None` when all
+    are real, as on every one-token step. Pads sit among the new tokens when left-padded questions follow a
+    shared document."""
+    batch, _, q_len, _ = query.shape
+    if q_len == 1 or attention_mask is None:
+        return None
+    seen = new_token_mask(attention_mask, prompt_slots, num_new, q_len, query.device)[:, 0]  # [B or 1, T, G]
+    steps = torch.arange(q_len, device=query.device)
+    real = seen[:, steps, num_new - q_len + steps]
+    return None if bool(real.all()) else real.expand(batch, -1)

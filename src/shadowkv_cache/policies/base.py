@@ -50,8 +50,27 @@ class SelectionPolicy(ABC):
         selectable: torch.Tensor,
         k: int,
         scaling: float,
+        query_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Indices `[B, Hkv, k]` of the `k` best selectable units, best first (no host synchronisation)."""
-        scores = self.score(query, state, selectable, scaling).float()
+        """Indices `[B, Hkv, k]` of the `k` best selectable units, best first (no host synchronisation).
+
+        `query_mask` (`[B, T]` bool, *optional*) marks the real query tokens of a multi-token step whose rows
+        hold pads (questions left-padded after a shared document): each row is then scored on its real tokens
+        alone, as it would be without the batch (one host synchronisation per row, on such steps only).
+        """
+        if query_mask is None:
+            scores = self.score(query, state, selectable, scaling).float()
+        else:
+            scores = torch.cat(
+                [
+                    self.score(
+                        query[row : row + 1, :, query_mask[row]],
+                        {name: t[row : row + 1] for name, t in state.items()},
+                        selectable[row : row + 1],
+                        scaling,
+                    ).float()
+                    for row in range(query.shape[0])
+                ]
+            )
         scores = scores.masked_fill(~selectable, float("-inf"))
         return scores.topk(k, dim=-1).indices

@@ -26,6 +26,10 @@ class LandmarkTopK(SelectionPolicy):
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         landmarks = state["landmarks"]
+        # Rows sharing one document hold stride-0 views: score against the one copy, which einsum broadcasts,
+        # rather than materialising a copy per row.
+        if landmarks.shape[0] > 1 and landmarks.stride(0) == 0:
+            landmarks = landmarks[:1]
         q = grouped_query(query, landmarks.shape[1])  # [B, Hkv, G, T, D]
         logits = torch.einsum("bhgtd,bhcd->bhgtc", q.float(), landmarks.float()) * scaling
         logits = logits.masked_fill(~selectable[:, :, None, None, :], float("-inf"))
