@@ -165,6 +165,24 @@ def test_new_turn_after_compression_matches_dynamic_cache(model):
     assert cache.get_seq_length() == caches["dynamic"].get_seq_length() == 300 + 6 + 7 + 10 - 1
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_new_turn_reads_the_whole_prompt_at_a_small_budget(model, dense):
+    """With `dense_multi_token_steps` a new turn attends over every chunk whatever the budget, so at full rank
+    its step is exact even at a 4-chunk budget; the sparse variant sees only the selected chunks."""
+    ids, turn = random_prompt(300, seed=5), random_prompt(7, seed=6)
+    overrides = full_budget_overrides(sparse_budget=32, dense_multi_token_steps=dense)
+    logits = {}
+    for name, cache in {"dynamic": dynamic_cache(model), "shadowkv": ShadowKVCache(model, **overrides)}.items():
+        # One new token: only the prefill ran, so every cached token is what DynamicCache holds.
+        first = generate_with(model, ids, cache, max_new_tokens=1)
+        second = generate_with(model, torch.cat([first.sequences, turn], dim=1), cache, max_new_tokens=1)
+        logits[name] = second.logits[0]
+    if dense:
+        torch.testing.assert_close(logits["shadowkv"], logits["dynamic"], rtol=1e-4, atol=1e-5)
+    else:
+        assert not torch.allclose(logits["shadowkv"], logits["dynamic"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("length", [48, 63])
 def test_short_prompt_stays_exact(model, length):
     ids = random_prompt(length, seed=length)

@@ -44,6 +44,11 @@ class ShadowKVConfig:
             Last prompt tokens kept exact (at least the ragged tail that does not fill a chunk).
         min_compress_len (`int`, *optional*, defaults to 4096):
             Prompts (per row, real tokens) shorter than this stay exact and are never compressed.
+        dense_multi_token_steps (`bool`, *optional*, defaults to `True`):
+            Steps with several new tokens after the compressed prompt (a new chat turn, a question after a loaded
+            prefix) attend over every chunk (all keys rebuilt, all values fetched) instead of the sparse
+            selection; single-token decode steps stay sparse. Measured on the prefix-reuse example: 3/3 answers
+            at a 1024-token budget, against 0/3 with sparse question steps.
         pin_memory (`bool`, *optional*, defaults to `True`):
             Pin the host value store when the model runs on CUDA (needed for fast, asynchronous fetches).
 
@@ -57,6 +62,7 @@ class ShadowKVConfig:
     outlier_chunks: int | float | None = None
     local_window: int = 32
     min_compress_len: int = 4096
+    dense_multi_token_steps: bool = True
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -101,6 +107,8 @@ class ShadowKVConfig:
                 raise bad("outlier_chunks", self.outlier_chunks, "use an int >= 0, a float in [0, 1), or None.")
             if isinstance(self.outlier_chunks, float) and self.outlier_chunks >= 1:
                 raise bad("outlier_chunks", self.outlier_chunks, "a float is a share of the chunks, in [0, 1).")
+        if not isinstance(self.dense_multi_token_steps, bool):
+            raise bad("dense_multi_token_steps", self.dense_multi_token_steps, "use True or False.")
         if not isinstance(self.pin_memory, bool):
             raise bad("pin_memory", self.pin_memory, "use True or False.")
 

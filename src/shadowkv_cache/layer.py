@@ -164,24 +164,27 @@ class ShadowKVLayer(DynamicLayer):
         prompt, temporal = self.prompt, self.temporal
         batch, num_q_heads, q_len, _ = query.shape
         num_kv_heads = self.keys.shape[1]
-        slots = prompt.max_budget_chunks
-        valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
-        valid = valid.expand(-1, num_kv_heads, -1)
-        if slots:  # with every chunk an outlier there is nothing to select
-            real = real_queries(attention_mask, prompt.slots, self.keys.shape[2], query)
-            wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling, real)
-            temporal.refresh(wanted, valid, prompt, self.rope)
-
         c = prompt.chunk_size
-        keys = torch.cat([prompt.outlier_keys, temporal.keys.flatten(2, 3), prompt.local_keys, self.keys], dim=2)
-        values = torch.cat(
-            [prompt.outlier_values, temporal.values.flatten(2, 3), prompt.local_values, self.values], dim=2
-        )
+        if q_len > 1 and self.config.dense_multi_token_steps:
+            chunk_keys, chunk_values, chunk_valid = self._whole_prompt(batch)
+        else:
+            slots = prompt.max_budget_chunks
+            valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
+            valid = valid.expand(-1, num_kv_heads, -1)
+            if slots:  # with every chunk an outlier there is nothing to select
+                real = real_queries(attention_mask, prompt.slots, self.keys.shape[2], query)
+                wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling, real)
+                temporal.refresh(wanted, valid, prompt, self.rope)
+            chunk_keys, chunk_values = temporal.keys.flatten(2, 3), temporal.values.flatten(2, 3)
+            chunk_valid = temporal.held.repeat_interleave(c, dim=-1)
+
+        keys = torch.cat([prompt.outlier_keys, chunk_keys, prompt.local_keys, self.keys], dim=2)
+        values = torch.cat([prompt.outlier_values, chunk_values, prompt.local_values, self.values], dim=2)
         heads = (batch, num_kv_heads, q_len)
         mask = torch.cat(
             [
                 prompt.outlier_valid[:, None, None, :].expand(*heads, -1),
-                temporal.held.repeat_interleave(c, dim=-1)[:, :, None, :].expand(*heads, -1),
+                chunk_valid[:, :, None, :].expand(*heads, -1),
                 prompt.local_valid[:, None, None, :].expand(*heads, -1),
                 new_token_mask(attention_mask, prompt.slots, self.keys.shape[2], q_len, query.device).expand(
                     *heads, -1
@@ -198,6 +201,27 @@ class ShadowKVLayer(DynamicLayer):
         with sdpa_kernel(_SPARSE_BACKENDS):
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(batch, num_q_heads, q_len, dim).transpose(1, 2).contiguous()
+
+    def _whole_prompt(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every selectable chunk, for a multi-token step: keys `[B, Hkv, Tc, D]` rebuilt from the factors at
+        their positions, values `[B, Hkv, Tc, D]` from host memory, and `[B, Hkv, Tc]` validity.
+
+        A new chat turn or a question after a loaded prefix carries the information that decides what later
+        steps need; attending to it sparsely (landmark scores summed over its tokens) loses facts at budgets
+        where single-token decoding keeps them, so such steps read the whole prompt once, as a prefill would.
+        """
+        prompt = self.prompt
+        # Rows of one shared document (stride 0) are rebuilt and fetched once.
+        rows = 1 if prompt.a.stride(0) == 0 else batch
+        a, b, positions = prompt.a[:rows], prompt.b[:rows], prompt.positions[:rows]
+        pre_rope = torch.einsum("btr,brhd->bhtd", a, b)  # [B', Hkv, Tc, D]
+        _, heads, tokens, dim = pre_rope.shape
+        keys = self.rope(pre_rope.reshape(rows * heads, tokens, dim), positions.repeat_interleave(heads, dim=0))
+        keys = keys.view(rows, heads, tokens, dim).to(self.keys.dtype)
+        store = prompt.values
+        values = store.data[store.row_map[:rows]].flatten(2, 3).to(keys.device, non_blocking=True)
+        valid = prompt.selectable.repeat_interleave(prompt.chunk_size, dim=-1)
+        return keys.expand(batch, -1, -1, -1), values.to(keys.dtype).expand(batch, -1, -1, -1), valid
 
     # -- accounting ---------------------------------------------------------------------------------------
 
