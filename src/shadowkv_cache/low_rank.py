@@ -29,7 +29,7 @@ def factorize_keys(keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     k32 = keys.float()
     gram = k32.T @ k32
     # eigh sorts eigenvalues ascending: the last `rank` eigenvectors span the top singular directions.
-    _, eigvecs = torch.linalg.eigh(gram)
+    _, eigvecs = _eigh(gram)
     v = eigvecs[:, -rank:].flip(-1)  # [Hkv*D, R], strongest direction first
     return k32 @ v, v.T.contiguous()
 
@@ -37,3 +37,16 @@ def factorize_keys(keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
 def reconstruct_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`A @ B` (`[T, R] @ [R, Hkv*D]`), the pre-RoPE keys the factors stand for."""
     return a @ b
+
+
+def _eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if gram.device.type != "cpu":
+        return torch.linalg.eigh(gram)
+    # On the CPU, MKL's threaded eigh of these small matrices stalled for ~1.5 s a call inside a forward pass on
+    # a 2-core machine (39 s of a 59 s 2K-token SmolLM2 prefill); single-threaded it takes a few milliseconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.linalg.eigh(gram)
+    finally:
+        torch.set_num_threads(threads)
