@@ -50,7 +50,7 @@ def shadowkv_attention(
                 "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
                 f"{module.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
             )
-        layer.compress(step.pre_rope_keys, step.position_ids, attention_mask)
+        layer.compress(step.pre_rope_keys, step.position_ids, attention_mask, query=query, scaling=scaling)
     return out
 
 

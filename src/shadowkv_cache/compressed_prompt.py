@@ -101,6 +101,8 @@ def compress_prompt(
     real: torch.Tensor,
     config: ShadowKVConfig,
     policy: SelectionPolicy,
+    recent_queries: torch.Tensor | None = None,
+    scaling: float | None = None,
 ) -> CompressedPrompt | None:
     """Compress a prefilled prompt, or return `None` when no row is long enough.
 
@@ -110,6 +112,8 @@ def compress_prompt(
         values (`torch.Tensor`): `[B, Hkv, S, D]`.
         positions (`torch.Tensor`): `[B, S]` int64 RoPE positions.
         real (`torch.Tensor`): `[B, S]` bool, True on real tokens (a left-padded suffix of each row).
+        recent_queries (`torch.Tensor`, *optional*): `[B, Hq, W, D]` the last prefill queries, for policies
+            with an observation window (SnapKV), with the attention `scaling`.
     """
     batch, heads, slots, dim = keys.shape
     c = config.chunk_size
@@ -170,7 +174,11 @@ def compress_prompt(
         a=a,
         b=b,
         positions=chunk_pos,
-        policy_state=policy.prepare(chunk_keys),
+        policy_state=(
+            policy.prepare(chunk_keys, recent_queries=recent_queries, scaling=scaling)
+            if policy.observation_window
+            else policy.prepare(chunk_keys)
+        ),
         selectable=selectable,
         budget_chunks=budget,
         outlier_keys=out_keys,

@@ -131,6 +131,8 @@ class ShadowKVLayer(DynamicLayer):
         keys_pre: torch.Tensor,
         positions: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        query: torch.Tensor | None = None,
+        scaling: float | None = None,
     ) -> None:
         """Compress the prompt just stored by the first `update`, if any row is long enough.
 
@@ -139,12 +141,17 @@ class ShadowKVLayer(DynamicLayer):
             positions (`torch.Tensor`): `[B or 1, S]` their RoPE positions.
             attention_mask (`torch.Tensor`, *optional*): the prefill mask `[B, 1, S, S]` (bool, True = attend,
                 or additive float); `None` when no row is padded.
+            query (`torch.Tensor`, *optional*): `[B, Hq, S, D]` the prefill queries; the policy's observation
+                window (its last tokens, real in every row since pads are on the left) goes to `prepare`.
+            scaling (`float`, *optional*): the model's attention scaling, for the same.
         """
         keys, values = self.keys, self.values
         batch, _, slots, _ = keys.shape
         real = real_tokens(attention_mask, batch, slots, keys.device)
         positions = positions.expand(batch, slots).to(torch.int64)
-        prompt = compress_prompt(keys_pre, keys, values, positions, real, self.config, self.policy)
+        window = self.policy.observation_window
+        recent = query[:, :, -window:] if window and query is not None else None
+        prompt = compress_prompt(keys_pre, keys, values, positions, real, self.config, self.policy, recent, scaling)
         if prompt is None:
             return
         self.prompt = prompt

@@ -1,6 +1,10 @@
-"""Selection policies behind one interface (`SelectionPolicy`)."""
+"""Selection policies behind one interface (`SelectionPolicy`): ShadowKV's landmarks and the baselines."""
 
 from .base import SelectionPolicy
 from .landmark_topk import LandmarkTopK
+from .oracle import OracleTopK
+from .quest import Quest
+from .snapkv import SnapKV
+from .streaming_llm import StreamingLLM
 
-__all__ = ["LandmarkTopK", "SelectionPolicy"]
+__all__ = ["LandmarkTopK", "OracleTopK", "Quest", "SelectionPolicy", "SnapKV", "StreamingLLM"]

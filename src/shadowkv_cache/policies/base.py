@@ -32,10 +32,19 @@ class SelectionPolicy(ABC):
     """
 
     granularity: ClassVar[Literal["chunk", "token"]] = "chunk"
+    # How many of the last prefill queries `prepare` wants (SnapKV's observation window); 0 = none. When
+    # positive, `prepare` also gets `recent_queries` `[B, Hq, W, D]` and the model's attention `scaling`.
+    observation_window: ClassVar[int] = 0
 
     @abstractmethod
-    def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
-        """State from post-RoPE keys `[B, Hkv, N, c, D]` (padding chunks hold zeros)."""
+    def prepare(
+        self, chunk_keys: torch.Tensor, recent_queries: torch.Tensor | None = None, scaling: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """State from post-RoPE keys `[B, Hkv, N, c, D]` (padding chunks hold zeros).
+
+        `recent_queries` (the last `observation_window` prefill queries, real tokens of every row since pads are
+        on the left) and `scaling` are passed only to policies whose `observation_window` is positive.
+        """
 
     @abstractmethod
     def score(

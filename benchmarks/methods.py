@@ -1,0 +1,90 @@
+"""The benchmark's methods: the name -> policy table, and running every method from one prefill.
+
+Legend: B batch, Hkv KV heads, C chunks, c chunk size, K selected chunks.
+
+Every method runs inside the same `ShadowKVCache` (same low-rank keys, outliers, local window and value store);
+only the selection policy and the budget differ, so methods are compared at an equal token budget. The prefill
+is exact attention whatever the policy, so the harness prefills once with a `PolicyBundle`, which prepares the
+state of every policy, and `fork_cache` then makes one cache per (method, budget) that shares the compressed
+prompt and host values (read-only) and has its own temporal cache and decoded tokens. A test checks that a fork
+decodes exactly like a cache that did its own prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
+from shadowkv_cache.temporal_cache import TemporalCache
+
+__all__ = ["EVICTING", "METHODS", "PolicyBundle", "fork_cache"]
+
+# name -> a fresh policy. "full" (the model's own DynamicCache) is not a policy and is run by the harness.
+METHODS: dict[str, type[SelectionPolicy]] = {
+    "shadowkv": LandmarkTopK,
+    "quest": Quest,
+    "streaming_llm": StreamingLLM,
+    "snapkv": SnapKV,
+    "oracle": OracleTopK,
+}
+# Evicting methods: what they did not keep at prefill is gone, so they run with `dense_multi_token_steps=False`
+# (a later chat turn cannot read the whole prompt again, as the offloading methods do by default).
+EVICTING = frozenset({"streaming_llm", "snapkv"})
+
+
+class PolicyBundle(SelectionPolicy):
+    """Prepares the state of several policies at one prefill (keys `"<name>/<key>"`, plus `"exact_keys"`).
+
+    It never selects: `fork_cache` gives each fork one policy and its part of the state.
+    """
+
+    def __init__(self, policies: dict[str, SelectionPolicy]):
+        self.policies = policies
+        self.observation_window = max((p.observation_window for p in policies.values()), default=0)
+
+    def prepare(self, chunk_keys, recent_queries=None, scaling=None) -> dict[str, torch.Tensor]:
+        state = {"exact_keys": chunk_keys}
+        for name, policy in self.policies.items():
+            window = policy.observation_window
+            if window:
+                part = policy.prepare(chunk_keys, recent_queries=recent_queries[:, :, -window:], scaling=scaling)
+            else:
+                part = policy.prepare(chunk_keys)
+            state.update({f"{name}/{key}": value for key, value in part.items()})
+        return state
+
+    def score(self, query, state, selectable, scaling) -> torch.Tensor:
+        raise RuntimeError("A PolicyBundle only prepares states; decode with a cache from fork_cache().")
+
+
+def fork_cache(
+    base: ShadowKVCache, model, name: str, policy: SelectionPolicy, sparse_budget: int, **config_changes
+) -> ShadowKVCache:
+    """A cache that continues `base` (prefilled with a `PolicyBundle`) with `policy` at `sparse_budget` tokens.
+
+    `policy` gets the state that the bundle's policy `name` prepared (and the exact keys, for a probe);
+    `config_changes` may change settings that do not shape the compressed prompt (`dense_multi_token_steps`).
+    """
+    config = dataclasses.replace(base.config, sparse_budget=sparse_budget, **config_changes)
+    cache = ShadowKVCache(model, config=config, policy=policy)
+    prefix = f"{name}/"
+    for new, old in zip(cache.layers, base.layers):
+        for attr, value in vars(old).items():
+            if attr not in ("config", "policy", "rope"):
+                setattr(new, attr, value)  # tensors are replaced, never written in place, when decoding goes on
+        prompt = old.prompt
+        if prompt is None:
+            continue
+        state = {k[len(prefix) :]: v for k, v in prompt.policy_state.items() if k.startswith(prefix)}
+        state["exact_keys"] = prompt.policy_state["exact_keys"]
+        # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.
+        wanted = math.ceil(sparse_budget / prompt.chunk_size)
+        budget = prompt.selectable[:, 0].sum(dim=-1).clamp(max=wanted).to(torch.int64)  # [B]
+        k = int(budget.max())
+        new.prompt = dataclasses.replace(prompt, policy_state=state, budget_chunks=budget, max_budget_chunks=k)
+        new.temporal = TemporalCache.empty(new.prompt, k)
+    return cache

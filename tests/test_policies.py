@@ -1,0 +1,206 @@
+"""Selection policies (ShadowKV landmarks and the baselines) and the accuracy benchmark's plumbing.
+
+Legend: B batch, Hq/Hkv query/KV heads, T query tokens, C chunks, c chunk size, D head dim.
+
+One parametrised list of every policy (ordered easy to hard, as kvpress does): shapes, selection stays within
+the selectable chunks, each plugs into `ShadowKVCache` and `generate` runs, and at full budget and full rank
+each gives `DynamicCache`'s logits. Then each policy's own property on a planted case, and the benchmark's fork
+and probe (benchmarks/methods.py, benchmarks/selection_probe.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    assert_logits_close,
+    dynamic_cache,
+    forward_with,
+    full_budget_overrides,
+    generate_with,
+    random_prompt,
+    small_budget_overrides,
+    tiny_model,
+)
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from methods import METHODS, PolicyBundle, fork_cache  # noqa: E402
+from selection_probe import SelectionProbe  # noqa: E402
+
+POLICIES = [StreamingLLM, SnapKV, LandmarkTopK, Quest, OracleTopK]  # easy to hard
+B, HQ, HKV, C, CS, D, T = 2, 4, 2, 12, 4, 16, 1
+SCALING = D**-0.5
+
+
+def prepared(policy: SelectionPolicy, chunk_keys: torch.Tensor, recent: torch.Tensor | None = None) -> dict:
+    if policy.observation_window:
+        recent = torch.randn(B, HQ, policy.observation_window, D) if recent is None else recent
+        return policy.prepare(chunk_keys, recent_queries=recent, scaling=SCALING)
+    return policy.prepare(chunk_keys)
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+def test_shapes_and_selection_within_selectable(policy_cls):
+    torch.manual_seed(0)
+    policy = policy_cls()
+    chunk_keys = torch.randn(B, HKV, C, CS, D)
+    state = prepared(policy, chunk_keys)
+    assert all(t.shape[0] == B for t in state.values())  # the cache selects and reorders rows of the state
+    selectable = torch.rand(B, HKV, C) > 0.3
+    selectable[..., 0] = True
+    query = torch.randn(B, HQ, T, D)
+    assert policy.score(query, state, selectable, SCALING).shape == (B, HKV, C)
+    k = int(selectable.sum(-1).min())
+    chosen = policy.select(query, state, selectable, k, SCALING)
+    assert chosen.shape == (B, HKV, k)
+    assert selectable.gather(-1, chosen).all()
+    assert (chosen.sort(-1).values.diff(dim=-1) > 0).all()  # no chunk twice
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+def test_policy_plugs_into_the_cache_and_generate_runs(policy_cls):
+    model = tiny_model("llama")
+    cache = ShadowKVCache(model, policy=policy_cls(), **small_budget_overrides())
+    out = generate_with(model, random_prompt(200), cache, max_new_tokens=6)
+    assert out.sequences.shape == (1, 206)
+    assert all(layer.is_compressed for layer in cache.layers)
+    assert cache.memory_report().hit_rate is not None
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+def test_full_budget_and_rank_is_exact_for_every_policy(policy_cls):
+    model, prompt = tiny_model("qwen2"), random_prompt(160, seed=4)
+    ref = generate_with(model, prompt, dynamic_cache(model), max_new_tokens=8)
+    out = generate_with(model, prompt, ShadowKVCache(model, policy=policy_cls(), **full_budget_overrides()), 8)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits)
+
+
+# -- each policy's own property, on planted cases ----------------------------------------------------------------
+
+
+def planted(target: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Small random keys, except that chunk `target` of every row and head aligns with the query."""
+    torch.manual_seed(1)
+    direction = torch.randn(D)
+    keys = 0.1 * torch.randn(B, HKV, C, CS, D)
+    keys[:, :, target] += 3 * direction
+    return keys, direction.expand(B, HQ, T, D).clone()
+
+
+@pytest.mark.parametrize("policy_cls", [LandmarkTopK, Quest, OracleTopK])
+def test_query_aware_policies_find_the_aligned_chunk(policy_cls):
+    keys, query = planted(target=7)
+    policy = policy_cls()
+    chosen = policy.select(query, policy.prepare(keys), torch.ones(B, HKV, C, dtype=torch.bool), 1, SCALING)
+    assert (chosen[..., 0] == 7).all()
+
+
+def test_quest_bound_is_an_upper_bound_of_every_key_logit():
+    torch.manual_seed(2)
+    keys, query = torch.randn(B, HKV, C, CS, D), torch.randn(B, HQ, T, D)
+    state = Quest().prepare(keys)
+    q = query.view(B, HKV, HQ // HKV, T, D)
+    exact = torch.einsum("bhgtd,bhcnd->bhgtcn", q, keys).amax(-1)  # best key logit per chunk
+    upper = torch.einsum("bhgtd,bhcd->bhgtc", q.clamp(min=0), state["key_max"])
+    upper = upper + torch.einsum("bhgtd,bhcd->bhgtc", q.clamp(max=0), state["key_min"])
+    assert (upper >= exact - 1e-5).all()
+
+
+def test_streaming_llm_keeps_the_sink_and_the_most_recent_chunks():
+    selectable = torch.ones(B, HKV, C, dtype=torch.bool)
+    selectable[1, :, 9:] = False  # a shorter row: its last real chunk is 8
+    policy = StreamingLLM(sink_chunks=1)
+    state = policy.prepare(torch.randn(B, HKV, C, CS, D))
+    for query in (torch.randn(B, HQ, T, D), torch.randn(B, HQ, T, D)):  # the query does not matter
+        chosen = policy.select(query, state, selectable, 3, SCALING).sort(-1).values
+        assert chosen[0].tolist() == [[0, 10, 11]] * HKV
+        assert chosen[1].tolist() == [[0, 7, 8]] * HKV
+
+
+def test_snapkv_keeps_what_the_observation_window_attended():
+    keys, direction = planted(target=4)
+    recent = direction[:, :, :1].expand(B, HQ, 32, D)  # the window's queries look at chunk 4
+    policy = SnapKV(window=32)
+    state = policy.prepare(keys, recent_queries=recent, scaling=SCALING)
+    other = -direction  # a decode query that looks elsewhere changes nothing: SnapKV evicts at prefill
+    chosen = policy.select(other, state, torch.ones(B, HKV, C, dtype=torch.bool), 1, SCALING)
+    assert (chosen[..., 0] == 4).all()
+
+
+def test_snapkv_gets_its_window_from_the_cache_at_prefill():
+    model = tiny_model("llama")
+    cache = ShadowKVCache(model, policy=SnapKV(window=8), **small_budget_overrides())
+    forward_with(model, random_prompt(150), cache)
+    votes = cache.layers[0].prompt.policy_state["votes"]
+    assert votes.shape[:2] == (1, 2) and votes.sum() > 0
+
+
+def test_oracle_scores_are_exact_attention_mass():
+    torch.manual_seed(3)
+    keys, query = torch.randn(1, HKV, C, CS, D), torch.randn(1, HQ, T, D)
+    selectable = torch.ones(1, HKV, C, dtype=torch.bool)
+    selectable[..., 2] = False
+    score = OracleTopK().score(query, OracleTopK().prepare(keys), selectable, SCALING)
+    q = query.view(1, HKV, HQ // HKV, T, D)
+    logits = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.flatten(2, 3)) * SCALING
+    logits[..., 2 * CS : 3 * CS] = float("-inf")
+    expected = logits.softmax(-1).view(1, HKV, HQ // HKV, T, C, CS).sum(dim=(2, 3, 5))
+    torch.testing.assert_close(score, expected)
+    assert score[..., 2].eq(0).all()
+
+
+def test_policies_reject_bad_settings():
+    with pytest.raises(ValueError, match="sink_chunks"):
+        StreamingLLM(sink_chunks=-1)
+    with pytest.raises(ValueError, match="window"):
+        SnapKV(window=0)
+    with pytest.raises(ValueError, match="observation window"):
+        SnapKV().prepare(torch.randn(B, HKV, C, CS, D))
+
+
+# -- the benchmark's plumbing ----------------------------------------------------------------------------------
+
+
+def test_a_fork_decodes_like_a_cache_with_its_own_prefill():
+    """`fork_cache` (one prefill, many methods) must give what each method gives on its own."""
+    model, prompt = tiny_model("llama"), random_prompt(180, seed=7)
+    overrides = small_budget_overrides(sparse_budget=24)
+    base = ShadowKVCache(model, policy=PolicyBundle({m: cls() for m, cls in METHODS.items()}), **overrides)
+    forward_with(model, prompt[:, :-1], base)
+    for name, cls in METHODS.items():
+        alone = ShadowKVCache(model, policy=cls(), **overrides)
+        forward_with(model, prompt[:, :-1], alone)
+        ref = generate_with(model, prompt, alone, max_new_tokens=6)
+        out = generate_with(model, prompt, fork_cache(base, model, name, cls(), 24), max_new_tokens=6)
+        assert torch.equal(out.sequences, ref.sequences), name
+        assert_logits_close(out.logits, ref.logits)
+    assert all(layer.keys.shape[2] == 0 for layer in base.layers)  # the base itself never moved on
+
+
+def test_probe_changes_nothing_and_the_oracle_reaches_the_oracle_recall():
+    model, prompt = tiny_model("llama"), random_prompt(180, seed=8)
+    layers = model.config.num_hidden_layers
+    ref = generate_with(model, prompt, ShadowKVCache(model, policy=LandmarkTopK(), **small_budget_overrides()), 5)
+    probe = SelectionProbe(LandmarkTopK(), layers)
+    out = generate_with(model, prompt, ShadowKVCache(model, policy=probe, **small_budget_overrides()), 5)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert probe.steps == 4  # the prefill's step selects nothing
+    recall, oracle, units = probe.totals()
+    assert 0 < recall <= oracle + 1e-6 and oracle <= units + 1e-6
+
+    oracle_probe = SelectionProbe(OracleTopK(), layers)
+    generate_with(model, prompt, ShadowKVCache(model, policy=oracle_probe, **small_budget_overrides()), 5)
+    recall, oracle, units = oracle_probe.totals()
+    assert recall == pytest.approx(oracle, rel=1e-6)
+
+    full_probe = SelectionProbe(Quest(), layers)
+    generate_with(model, prompt, ShadowKVCache(model, policy=full_probe, **full_budget_overrides()), 3)
+    recall, _, units = full_probe.totals()
+    assert recall == pytest.approx(units, rel=1e-5)  # everything selected: all the mass
