@@ -44,16 +44,8 @@ from shadowkv_cache.value_store import HostValueStore  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-LLAMA_3_1_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-)  # fmt: skip
-TINY = dict(
-    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=32, vocab_size=1000, rope_theta=500000.0, max_position_embeddings=16384,
-)  # fmt: skip
+from model_shapes import LLAMA_3_1_8B, TINY  # noqa: E402
+
 PCIE_ZERO_COPY = 50e9  # bytes/s of the zero-copy gather of 2 KiB chunks measured on the H200 (47-51 GB/s)
 GENERATED_FOR_MEMORY = 256
 
