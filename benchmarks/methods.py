@@ -20,6 +20,7 @@ import torch
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
 from shadowkv_cache.temporal_cache import TemporalCache
+from shadowkv_cache.token_buffer import TokenBuffer
 
 __all__ = ["EVICTING", "METHODS", "PolicyBundle", "fork_cache"]
 
@@ -75,10 +76,12 @@ def fork_cache(
     for new, old in zip(cache.layers, base.layers):
         for attr, value in vars(old).items():
             if attr not in ("config", "policy", "rope"):
-                setattr(new, attr, value)  # tensors are replaced, never written in place, when decoding goes on
+                setattr(new, attr, value)  # the prompt's tensors are only read when decoding goes on
         prompt = old.prompt
         if prompt is None:
             continue
+        new.new = TokenBuffer(*old.new.held())  # written in place: each fork has its own
+        new.keys, new.values = new.new.held()
         state = {k[len(prefix) :]: v for k, v in prompt.policy_state.items() if k.startswith(prefix)}
         state["exact_keys"] = prompt.policy_state["exact_keys"]
         # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.

@@ -39,7 +39,6 @@ from results_io import RESULTS, environment, write_results  # noqa: E402
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: E402
 from shadowkv_cache.compressed_prompt import CompressedPrompt  # noqa: E402
 from shadowkv_cache.pinned_pool import pinned_pool  # noqa: E402
-from shadowkv_cache.temporal_cache import TemporalCache  # noqa: E402
 from shadowkv_cache.value_store import HostValueStore  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -100,7 +99,8 @@ def hbm_bandwidth(device) -> float:
 class ControlledHitRate(LandmarkTopK):
     """Benchmark-only: scores chunks like LandmarkTopK (same cost), then returns a selection that keeps
     exactly a share `hit_rate` of the previous step's chunks: a window of `k` entries of a fixed random
-    permutation of the chunks, sliding by `(1 - h) * k` each step."""
+    permutation of the chunks, sliding by `(1 - h) * k` each step. The step counter lives on the device, so
+    the selection also slides when the decode step is replayed as a CUDA graph."""
 
     def __init__(self, hit_rate: float):
         self.hit_rate, self.steps, self.perms = hit_rate, {}, {}
@@ -111,10 +111,11 @@ class ControlledHitRate(LandmarkTopK):
         batch, heads, chunks = selectable.shape
         if key not in self.perms:
             self.perms[key] = torch.rand(batch, heads, chunks, device=selectable.device).argsort(dim=-1)
-        step = self.steps.get(key, 0)
-        self.steps[key] = step + 1
-        start = step * max(1, round((1 - self.hit_rate) * k)) if self.hit_rate < 1 else 0
-        window = (start + torch.arange(k, device=selectable.device)) % chunks
+            self.steps[key] = torch.zeros((), dtype=torch.int64, device=selectable.device)
+        step = self.steps[key]
+        shift = max(1, round((1 - self.hit_rate) * k)) if self.hit_rate < 1 else 0
+        window = (step * shift + torch.arange(k, device=selectable.device)) % chunks
+        step += 1
         return self.perms[key].gather(-1, window.expand(batch, heads, k))
 
 
@@ -143,8 +144,13 @@ def fill_static(model, batch, length, device, extra):
     return cache
 
 
-def fill_shadowkv(model, cache: ShadowKVCache, batch, length, device, host_rows: list[torch.Tensor] | None):
-    """Synthetic compressed prompts for every layer; host values are views of `host_rows[layer]` if given."""
+def fill_shadowkv(
+    model, cache: ShadowKVCache, batch, length, device, host_rows: list[torch.Tensor] | None, share_host_row=False
+):
+    """Synthetic compressed prompts for every layer; host values are views of `host_rows[layer]` if given.
+
+    `share_host_row` (profiling only): every row reads one pinned row of values, so a large batch needs no
+    large pinned allocation; each row still fetches its own misses over PCIe."""
     cfg, config = model.config, cache.config
     hkv, d, dtype = cfg.num_key_value_heads, cfg.head_dim, model.dtype
     size = config.resolve(length, hkv * d)
@@ -152,14 +158,16 @@ def fill_shadowkv(model, cache: ShadowKVCache, batch, length, device, host_rows:
     for i, layer in enumerate(cache.layers):
         selectable = torch.ones(batch, hkv, n, dtype=torch.bool, device=device)
         selectable[..., :o] = False
+        stored = 1 if share_host_row else batch
         if host_rows is not None:
-            host = host_rows[i][:batch]
+            host = host_rows[i][:stored]
         else:
-            host = pinned_pool().allocate((batch, hkv, n, c, d), dtype) if device.type == "cuda" else None
+            host = pinned_pool().allocate((stored, hkv, n, c, d), dtype) if device.type == "cuda" else None
         if host is not None:
-            host.copy_(torch.randn(batch, hkv, n, c, d, device=device, dtype=dtype))
-            store = HostValueStore(host, torch.arange(batch))
-            store._device_row_map = torch.arange(batch, device=device)
+            host.copy_(torch.randn(stored, hkv, n, c, d, device=device, dtype=dtype))
+            row_map = torch.zeros(batch, dtype=torch.int64) if share_host_row else torch.arange(batch)
+            store = HostValueStore(host, row_map)
+            store._device_row_map = row_map.to(device)
         else:
             store = HostValueStore.offload(torch.randn(batch, hkv, n, c, d, dtype=dtype), pin=False)
         prompt = CompressedPrompt(
@@ -181,9 +189,7 @@ def fill_shadowkv(model, cache: ShadowKVCache, batch, length, device, host_rows:
             max_budget_chunks=k,
         )
         empty = torch.empty(batch, hkv, 0, d, device=device, dtype=dtype)
-        layer.lazy_initialization(empty, empty)
-        layer.keys, layer.values = empty, empty.clone()
-        layer.prompt, layer.temporal = prompt, TemporalCache.empty(prompt, k)
+        layer.set_prefix(prompt, empty, empty)
     return cache
 
 

@@ -70,6 +70,46 @@ def smollm2_cuda():
     return load_smollm2(dtype=torch.float32, device="cuda")
 
 
+def _eager_and_graphed(model, ids, **kwargs):
+    out = {}
+    for graphs in (False, True):
+        cache = ShadowKVCache(model, cuda_graphs=graphs, **small_budget_overrides())
+        out[graphs] = (generate_with(model, ids, cache, **kwargs), cache)
+    return out
+
+
+def test_graphed_decode_equals_eager_decode(cuda_model):
+    """300 new tokens: the token buffer grows past its first capacity (256), so the graphs are captured again."""
+    ids = random_prompt(301).cuda()
+    (eager, eager_cache), (graphed, graphed_cache) = _eager_and_graphed(cuda_model, ids, max_new_tokens=300).values()
+    assert all(layer._graph is not None for layer in graphed_cache.layers)
+    assert all(layer._graph is None for layer in eager_cache.layers)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert_logits_close(graphed.logits, eager.logits, atol=1e-5)
+    # The device-side hit counters are updated by the replays too.
+    assert graphed_cache.memory_report().hit_rate == eager_cache.memory_report().hit_rate
+
+
+def test_graphed_decode_follows_reordered_rows(cuda_model):
+    """Beam search reorders rows every step: each reorder moves the tensors, and the graph must follow."""
+    ids = random_prompt(260, seed=4).cuda()
+    runs = _eager_and_graphed(cuda_model, ids, max_new_tokens=12, num_beams=3)
+    assert torch.equal(runs[True][0].sequences, runs[False][0].sequences)
+
+
+def test_graphed_decode_across_chat_turns(cuda_model):
+    """A second turn (a multi-token step, eager) between graphed one-token steps."""
+    first, second = random_prompt(280, seed=5).cuda(), random_prompt(9, seed=6).cuda()
+    results = {}
+    for graphs in (False, True):
+        cache = ShadowKVCache(cuda_model, cuda_graphs=graphs, **small_budget_overrides())
+        turn1 = generate_with(cuda_model, first, cache, max_new_tokens=8).sequences
+        turn2 = generate_with(cuda_model, torch.cat([turn1, second], dim=1), cache, max_new_tokens=8)
+        results[graphs] = turn2
+    assert torch.equal(results[True].sequences, results[False].sequences)
+    assert_logits_close(results[True].logits, results[False].logits, atol=1e-5)
+
+
 def test_smollm2_full_budget_exact_on_cuda(smollm2_cuda):
     model, tokenizer = smollm2_cuda
     ids = natural_text_ids(tokenizer, 4096 + 16).cuda()

@@ -151,7 +151,7 @@ class ShadowKVCache(Cache):
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
         The file's model identity, config, version and every tensor's shape and dtype are checked before
-        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget` and
+        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
         `pin_memory` may differ from the saved config. The temporal cache starts empty.
         """
         state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides)

@@ -5,7 +5,8 @@ D head dim, K selected chunks, c chunk size, N attended keys.
 
 Before compression the layer is a plain `DynamicLayer` (`keys`/`values` hold everything). When the first
 fill is long enough, `compress` replaces the prompt by a `CompressedPrompt`; from then on `keys`/`values`
-hold only the tokens that came after the prompt (generated tokens, new chat turns), kept exact.
+are views of a `TokenBuffer` holding only the tokens that came after the prompt (generated tokens, new chat
+turns), kept exact. On CUDA one-token steps replay a captured graph (`decode_graph.py`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from transformers.cache_utils import DynamicLayer
 
 from .compressed_prompt import CompressedPrompt, compress_prompt
 from .config import ShadowKVConfig
+from .decode_graph import DecodeGraph, capture_or_none
+from .kernel_loader import kernels_available
 from .ops.rebuild_keys import RopeFn
 from .policies.base import SelectionPolicy
 from .temporal_cache import TemporalCache
+from .token_buffer import TokenBuffer
 
 __all__ = ["ShadowKVLayer"]
 
@@ -40,6 +44,9 @@ class ShadowKVLayer(DynamicLayer):
         self.config, self.policy, self.rope = config, policy, rope
         self.prompt: CompressedPrompt | None = None
         self.temporal: TemporalCache | None = None
+        self.new: TokenBuffer | None = None  # the tokens after a compressed prompt
+        self._graph: DecodeGraph | None = None
+        self._graph_ready = False  # one eager step ran (kernels loaded, workspaces made): capture may follow
 
     @property
     def is_compressed(self) -> bool:
@@ -51,8 +58,17 @@ class ShadowKVLayer(DynamicLayer):
         return super().get_seq_length() + (self.prompt.slots if self.prompt is not None else 0)
 
     def reset(self) -> None:
-        self.prompt = self.temporal = None
+        self.prompt = self.temporal = self.new = self._graph = None
         super().reset()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append `[B, Hkv, T, D]` keys and values; after compression they go into the token buffer in place."""
+        if self.new is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if self.new.append(key_states, value_states):
+            self._graph = None
+        self.keys, self.values = self.new.held()
+        return self.keys, self.values
 
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end: a negative value removes that many; a positive one is the length to keep
@@ -67,6 +83,10 @@ class ShadowKVLayer(DynamicLayer):
                 f"Cannot crop a ShadowKV cache to {keep} tokens: its first {prompt_slots} tokens are compressed. "
                 "Crop only tokens added after the compressed prompt, or start a new cache."
             )
+        if self.new is not None:
+            self.new.crop(keep - prompt_slots)
+            self.keys, self.values = self.new.held()
+            return
         self.keys = self.keys[..., : keep - prompt_slots, :]
         self.values = self.values[..., : keep - prompt_slots, :]
 
@@ -97,6 +117,10 @@ class ShadowKVLayer(DynamicLayer):
             self.prompt = self.prompt.select_rows(index)
         if self.temporal is not None:
             self.temporal = self.temporal.select_rows(index)
+        if self.new is not None:
+            self.new = self.new.select_rows(index)
+            self.keys, self.values = self.new.held()
+        self._graph = None
 
     # -- prefix reuse -------------------------------------------------------------------------------------------
 
@@ -110,9 +134,11 @@ class ShadowKVLayer(DynamicLayer):
         """
         self.prompt = prompt
         self.temporal = TemporalCache.empty(prompt, prompt.max_budget_chunks) if prompt is not None else None
-        self.keys, self.values = keys, values
+        self.new = TokenBuffer(keys, values) if prompt is not None else None
+        self.keys, self.values = self.new.held() if self.new is not None else (keys, values)
         self.device, self.dtype = keys.device, keys.dtype
         self.is_initialized = True
+        self._graph = None
 
     def fork(self, batch_size: int) -> ShadowKVLayer:
         """A layer of `batch_size` rows that starts from this one-row prefix and shares it: `expand` views of its
@@ -156,7 +182,9 @@ class ShadowKVLayer(DynamicLayer):
             return
         self.prompt = prompt
         self.temporal = TemporalCache.empty(prompt, prompt.max_budget_chunks)
-        self.keys, self.values = keys[..., :0, :], values[..., :0, :]
+        self.new = TokenBuffer(keys[..., :0, :], values[..., :0, :])
+        self.keys, self.values = self.new.held()
+        self._graph = None
 
     # -- sparse attention at decode ------------------------------------------------------------------------
 
@@ -168,9 +196,31 @@ class ShadowKVLayer(DynamicLayer):
         Called after `update` appended this step's keys and values. Returns `[B, T, Hq, D]` like the
         Transformers attention functions.
         """
-        prompt, temporal = self.prompt, self.temporal
+        q_len = query.shape[2]
+        if q_len > 1:
+            real = new_token_validity(attention_mask, self.prompt.slots, self.new.length, q_len, query.device)
+            if real is not None:
+                self.new.mark(real)
+            return self._attend(query, attention_mask, scaling)
+        if not (self.config.cuda_graphs and query.is_cuda and kernels_available(query.device)):
+            return self._attend(query, None, scaling)
+        key = (query.shape, query.dtype, scaling, id(self.prompt), id(self.temporal), self.new.keys.data_ptr())
+        if self._graph is None or self._graph.key != key:
+            self._graph = None
+            if not self._graph_ready:  # the first step runs eagerly: it loads kernels and makes workspaces
+                self._graph_ready = True
+                return self._attend(query, None, scaling)
+            self._graph = capture_or_none(lambda q: self._attend(q, None, scaling), query, key)
+            if self._graph is None:
+                self.config.cuda_graphs = False
+                return self._attend(query, None, scaling)
+        return self._graph(query)
+
+    def _attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """The step itself; on one-token steps it reads only tensors whose addresses persist (graph-safe)."""
+        prompt, temporal, new = self.prompt, self.temporal, self.new
         batch, num_q_heads, q_len, _ = query.shape
-        num_kv_heads = self.keys.shape[1]
+        num_kv_heads = new.keys.shape[1]
         c = prompt.chunk_size
         if q_len > 1 and self.config.dense_multi_token_steps:
             chunk_keys, chunk_values, chunk_valid = self._whole_prompt(batch)
@@ -179,23 +229,26 @@ class ShadowKVLayer(DynamicLayer):
             valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
             valid = valid.expand(-1, num_kv_heads, -1)
             if slots:  # with every chunk an outlier there is nothing to select
-                real = real_queries(attention_mask, prompt.slots, self.keys.shape[2], query)
+                real = real_queries(attention_mask, prompt.slots, new.length, query)
                 wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling, real)
                 temporal.refresh(wanted, valid, prompt, self.rope)
             chunk_keys, chunk_values = temporal.keys.flatten(2, 3), temporal.values.flatten(2, 3)
             chunk_valid = temporal.held.repeat_interleave(c, dim=-1)
 
-        keys = torch.cat([prompt.outlier_keys, chunk_keys, prompt.local_keys, self.keys], dim=2)
-        values = torch.cat([prompt.outlier_values, chunk_values, prompt.local_values, self.values], dim=2)
         heads = (batch, num_kv_heads, q_len)
+        if q_len == 1:  # the whole buffer, so that shapes and addresses stay fixed from step to step
+            new_valid = new.valid[:, None, None, :].expand(*heads, -1)
+        else:
+            seen = new_token_mask(attention_mask, prompt.slots, new.length, q_len, query.device)
+            new_valid = F.pad(seen, (0, new.capacity - new.length), value=False).expand(*heads, -1)
+        keys = torch.cat([prompt.outlier_keys, chunk_keys, prompt.local_keys, new.keys], dim=2)
+        values = torch.cat([prompt.outlier_values, chunk_values, prompt.local_values, new.values], dim=2)
         mask = torch.cat(
             [
                 prompt.outlier_valid[:, None, None, :].expand(*heads, -1),
                 chunk_valid[:, :, None, :].expand(*heads, -1),
                 prompt.local_valid[:, None, None, :].expand(*heads, -1),
-                new_token_mask(attention_mask, prompt.slots, self.keys.shape[2], q_len, query.device).expand(
-                    *heads, -1
-                ),
+                new_valid,
             ],
             dim=-1,
         )  # [B, Hkv, T, N]
@@ -243,7 +296,8 @@ class ShadowKVLayer(DynamicLayer):
             return exact, 0, exact
         batch, heads, _, dim = self.keys.shape
         full = 2 * batch * heads * self.get_seq_length() * dim * self.keys.element_size()
-        device = exact + self.prompt.device_nbytes + self.temporal.nbytes
+        # The token buffer's whole capacity is held, not only the tokens in it.
+        device = self.new.nbytes + self.prompt.device_nbytes + self.temporal.nbytes
         return device, self.prompt.values.nbytes, full
 
 
@@ -277,16 +331,24 @@ def new_token_mask(
     return seen[None, None]
 
 
+def new_token_validity(
+    attention_mask: torch.Tensor | None, prompt_slots: int, num_new: int, q_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """`[B or 1, T]` bool: which of a step's `T` new tokens are real (a pad cannot see itself); `None` = all."""
+    if attention_mask is None:
+        return None
+    seen = new_token_mask(attention_mask, prompt_slots, num_new, q_len, device)[:, 0]  # [B or 1, T, G]
+    steps = torch.arange(q_len, device=device)
+    return seen[:, steps, num_new - q_len + steps]
+
+
 def real_queries(
     attention_mask: torch.Tensor | None, prompt_slots: int, num_new: int, query: torch.Tensor
 ) -> torch.Tensor | None:
-    """`[B, T]` bool: the real tokens of a multi-token `query` step (a pad cannot see itself), or `None` when all
-    are real, as on every one-token step. Pads sit among the new tokens when left-padded questions follow a
-    shared document."""
+    """`[B, T]` bool: the real tokens of a multi-token `query` step, or `None` when all are real, as on every
+    one-token step. Pads sit among the new tokens when left-padded questions follow a shared document."""
     batch, _, q_len, _ = query.shape
-    if q_len == 1 or attention_mask is None:
+    if q_len == 1:
         return None
-    seen = new_token_mask(attention_mask, prompt_slots, num_new, q_len, query.device)[:, 0]  # [B or 1, T, G]
-    steps = torch.arange(q_len, device=query.device)
-    real = seen[:, steps, num_new - q_len + steps]
-    return None if bool(real.all()) else real.expand(batch, -1)
+    real = new_token_validity(attention_mask, prompt_slots, num_new, q_len, query.device)
+    return None if real is None or bool(real.all()) else real.expand(batch, -1)

@@ -53,7 +53,7 @@ FORMAT_NAME = "shadowkv-prefix"
 FORMAT_VERSION = 1
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
-DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory")
+DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
 # Config entries that do not change the keys and values a model computes.
 _VOLATILE_CONFIG_KEYS = {
     "architectures", "bos_token_id", "dtype", "eos_token_id", "id2label", "label2id", "output_attentions",

@@ -1,0 +1,69 @@
+"""One layer's one-token decode step captured as a CUDA graph and replayed.
+
+Legend: B batch, Hq query heads, D head dim.
+
+Eagerly, a sparse decode step is ~40 small launches per layer (score, top-k, scan, rebuild, fetch, gather
+of the attended set, attention), and at long context with a large batch the host spends more time
+launching them than the GPU spends running them. Every tensor such a step reads or writes keeps its address
+from step to step (the compressed prompt, the temporal cache, the token buffer; the kernels write in place),
+so the step is captured once and replayed: one launch per layer. Anything that moves those tensors (rows
+reordered or selected, a new prefix, the token buffer growing) changes the graph's key and the next step
+captures again.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+__all__ = ["DecodeGraph"]
+
+_POOLS: dict[int, tuple] = {}
+
+
+def _pool(device: torch.device) -> tuple:
+    # One memory pool per device for all layers' graphs: they replay one after another on one stream, so
+    # their temporaries can share memory (a pool per layer would hold ~32 copies of the attended set).
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
+
+
+class DecodeGraph:
+    """`step(query)` captured for one `key`; call it with a query `[B, Hq, 1, D]` of the captured shape.
+
+    Args:
+        step (`Callable`): the eager decode step, `query -> output`; it must not synchronise with the host.
+        query (`torch.Tensor`): an example query (its shape, dtype and device are captured).
+        key (`Hashable`): what the capture depends on besides the query's shape (compare before reuse).
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: Hashable):
+        self.key = key
+        self.query = query.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # "thread_local": the capture does not forbid what other threads do (a data loader, a tokenizer).
+        with torch.cuda.graph(self.graph, pool=_pool(query.device), capture_error_mode="thread_local"):
+            self.output = step(self.query)
+
+    def __call__(self, query: torch.Tensor) -> torch.Tensor:
+        """The step's output for `query`; valid until the next replay of this graph (the next decode step)."""
+        self.query.copy_(query)
+        self.graph.replay()
+        return self.output
+
+
+def capture_or_none(step: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: Hashable):
+    """A `DecodeGraph`, or `None` (with one warning) when the step cannot be captured on this setup."""
+    try:
+        return DecodeGraph(step, query, key)
+    except RuntimeError as err:
+        warnings.warn(
+            f"ShadowKV could not capture its decode step as a CUDA graph ({err}); decoding continues eagerly. "
+            "Pass cuda_graphs=False to skip the attempt.",
+            stacklevel=3,
+        )
+        return None

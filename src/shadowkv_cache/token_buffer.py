@@ -1,0 +1,89 @@
+"""Exact keys and values of the tokens after a compressed prompt, in fixed-capacity device buffers.
+
+Legend: B batch, Hkv KV heads, G tokens held, P capacity (>= G), T tokens of one step, D head dim.
+
+Generated tokens (and new chat turns) are appended in place rather than concatenated, so the tensors a
+decode step reads keep their addresses from step to step: the step can then be captured once as a CUDA
+graph and replayed, and no step copies the tokens already held. Slots past the length, and pads of
+left-padded multi-token steps, are marked invalid, so attention may read the whole buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TokenBuffer"]
+
+_MIN_CAPACITY = 256
+
+
+class TokenBuffer:
+    """Keys and values `[B, Hkv, P, D]` and validity `[B, P]` of the tokens after the prompt; `length` = G.
+
+    Args:
+        keys, values (`torch.Tensor`): `[B, Hkv, G, D]` the tokens held so far (any strides, e.g. the
+            `expand` views of a shared document); copied into buffers of capacity `max(G, capacity)`.
+        capacity (`int`, *optional*): slots to allocate (defaults to the tokens held; the first append grows it).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0):
+        batch, heads, held, dim = keys.shape
+        self.length = held
+        capacity = max(held, capacity)
+        self.keys = keys.new_zeros((batch, heads, capacity, dim))
+        self.values = values.new_zeros((batch, heads, capacity, values.shape[-1]))
+        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=keys.device)
+        self.keys[:, :, :held] = keys
+        self.values[:, :, :held] = values
+        self.valid[:, :held] = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid))
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views `[B, Hkv, G, D]` of the keys and values held (what the cache API reports)."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Write `[B, Hkv, T, D]` after the held tokens, as valid; returns True when the buffers moved (grown)."""
+        start, steps = self.length, keys.shape[2]
+        moved = start + steps > self.capacity
+        if moved:
+            self._grow(max(_MIN_CAPACITY, 2 * self.capacity, start + steps))
+        self.keys[:, :, start : start + steps] = keys
+        self.values[:, :, start : start + steps] = values
+        self.valid[:, start : start + steps] = True
+        self.length = start + steps
+        return moved
+
+    def mark(self, real: torch.Tensor) -> None:
+        """Record which of the last step's `T` tokens are real (`[B or 1, T]` bool); pads are never attended."""
+        steps = real.shape[-1]
+        self.valid[:, self.length - steps : self.length] = real
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens; the rest become invalid free slots."""
+        self.valid[:, length:] = False
+        self.length = min(self.length, length)
+
+    def select_rows(self, index: torch.Tensor) -> TokenBuffer:
+        """A buffer holding rows `index` (`[B']`) of this one (copied)."""
+        out = TokenBuffer.__new__(TokenBuffer)
+        out.length = self.length
+        out.keys, out.values, out.valid = self.keys[index], self.values[index], self.valid[index]
+        return out
+
+    def _grow(self, capacity: int) -> None:
+        keys, values, valid = self.keys, self.values, self.valid
+        batch, heads, _, dim = keys.shape
+        self.keys = keys.new_zeros((batch, heads, capacity, dim))
+        self.values = values.new_zeros((batch, heads, capacity, values.shape[-1]))
+        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=keys.device)
+        self.keys[:, :, : self.length] = keys[:, :, : self.length]
+        self.values[:, :, : self.length] = values[:, :, : self.length]
+        self.valid[:, : self.length] = valid[:, : self.length]
