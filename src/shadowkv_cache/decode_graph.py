@@ -14,22 +14,27 @@ captures again.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Hashable
 
 import torch
 
 __all__ = ["DecodeGraph"]
 
-_POOLS: dict[int, tuple] = {}
+_LAST: dict[int, weakref.ref] = {}
 
 
 def _pool(device: torch.device) -> tuple:
-    # One memory pool per device for all layers' graphs: they replay one after another on one stream, so
-    # their temporaries can share memory (a pool per layer would hold ~32 copies of the attended set).
+    """The memory pool of the newest live graph on `device`, or a new one.
+
+    Graphs replay one after another on one stream, so their temporaries can share memory (a pool per layer
+    would hold ~32 copies of the attended set). A pool lives while a graph uses it: a handle kept after its
+    graphs are gone must not be reused, hence the reference to a live graph rather than to a handle.
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+    last = _LAST.get(index)
+    graph = last() if last is not None else None
+    return graph.graph.pool() if graph is not None else torch.cuda.graph_pool_handle()
 
 
 class DecodeGraph:
@@ -48,6 +53,8 @@ class DecodeGraph:
         # "thread_local": the capture does not forbid what other threads do (a data loader, a tokenizer).
         with torch.cuda.graph(self.graph, pool=_pool(query.device), capture_error_mode="thread_local"):
             self.output = step(self.query)
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        _LAST[index] = weakref.ref(self)
 
     def __call__(self, query: torch.Tensor) -> torch.Tensor:
         """The step's output for `query`; valid until the next replay of this graph (the next decode step)."""
