@@ -71,10 +71,15 @@ def llama3_rope():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "batch, heads, slots, chunks, c, dim, rank",
-    [(2, 3, 13, 51, 8, 128, 77), (1, 8, 311, 400, 8, 128, 160), (3, 2, 7, 9, 5, 64, 13)],
+    "batch, heads, slots, chunks, c, dim, rank, miss_rate",
+    [
+        (2, 3, 13, 51, 8, 128, 77, 0.6),
+        (1, 8, 311, 400, 8, 128, 160, 0.6),
+        (2, 8, 256, 300, 8, 128, 160, 0.02),  # most groups of 32 slots all hit and return at once
+        (3, 2, 7, 9, 5, 64, 13, 0.6),
+    ],
 )
-def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c, dim, rank):
+def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c, dim, rank, miss_rate):
     torch.manual_seed(0)
     rope = llama3_rope()
     if dim != 128:  # another head dim: a plain RoPE of that size
@@ -90,7 +95,7 @@ def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c,
     ids = torch.stack([torch.randperm(chunks, device=CUDA)[:slots] for _ in range(batch * heads)]).view(
         batch, heads, slots
     )
-    miss = torch.rand(batch, heads, slots, device=CUDA) < 0.6
+    miss = torch.rand(batch, heads, slots, device=CUDA) < miss_rate
     before = torch.randn(batch, heads, slots, c, dim, device=CUDA).to(dtype)
     keys = before.clone()
     rebuild_missed_keys(keys, ids, miss, a, b, positions, rope)

@@ -80,7 +80,7 @@ def rebuild_missed_keys(
         and a.dtype == b.dtype == keys.dtype
         and keys.is_contiguous()
         and dim % 2 == 0
-        and 4 * c * (a.shape[-1] + dim) <= 48 * 1024  # the kernel's shared memory
+        and _shared_bytes(c, a.shape[-1], dim, keys.dtype) <= _max_shared_bytes(keys.device)
     ):
         _launch(keys, ids, miss, a, b, positions, inv_freq, float(rope.attention_scaling))
         return
@@ -98,6 +98,24 @@ def rebuild_missed_keys(
     keys.copy_(torch.where(miss[..., None, None], rebuilt.view_as(keys).to(keys.dtype), keys))
 
 
+_SLOTS_PER_BLOCK = 32  # ~13 misses per block at h = 0.6: the staged B slice is reused that often
+_MAX_SHARED: dict[int, int] = {}
+
+
+def _shared_bytes(c: int, rank: int, dim: int, dtype: torch.dtype) -> int:
+    """Dynamic shared memory of `kernels/rebuild_keys.cu`: A tile and pre-RoPE rows in fp32, B slice in `dtype`."""
+    rank4 = -(-rank // 4) * 4
+    return 4 * c * rank4 + 4 * c * dim + dtype.itemsize * rank4 * dim
+
+
+def _max_shared_bytes(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAX_SHARED:
+        props = torch.cuda.get_device_properties(index)
+        _MAX_SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+    return _MAX_SHARED[index]
+
+
 def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> None:
     batch, heads, num_slots, c, dim = keys.shape
     rank = a.shape[-1]
@@ -105,7 +123,7 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> No
     i32 = ctypes.c_int
     kernels.launch(
         f"rebuild_keys_{_KERNEL_DTYPES[keys.dtype]}",
-        grid=(num_slots, heads, batch),
+        grid=(-(-num_slots // _SLOTS_PER_BLOCK), heads, batch),
         block=(128, 1, 1),
         args=[
             keys,
@@ -122,6 +140,7 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> No
             (dim, i32),
             (a.shape[1], i32),
             (rank, i32),
+            (_SLOTS_PER_BLOCK, i32),
         ],
-        shared_bytes=4 * c * (rank + dim),
+        shared_bytes=_shared_bytes(c, rank, dim, keys.dtype),
     )
