@@ -30,11 +30,11 @@ class LandmarkTopK(SelectionPolicy):
         # rather than materialising a copy per row.
         if landmarks.shape[0] > 1 and landmarks.stride(0) == 0:
             landmarks = landmarks[:1]
-        q = grouped_query(query, landmarks.shape[1])  # [B, Hkv, G, T, D]
+        q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
         # In the KV dtype (fp32 accumulation inside the GEMM): the landmarks are the largest tensor a step reads,
         # and converting them to fp32 first would triple those bytes.
-        logits = torch.einsum("bhgtd,bhcd->bhgtc", q.to(landmarks.dtype), landmarks).float() * scaling
+        logits = torch.einsum("bhgtd,bhcd->bhgtc", q.to(landmarks.dtype), landmarks)
         logits = logits.masked_fill(~selectable[:, :, None, None, :], float("-inf"))
         # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num(0.0)
         return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, C]
