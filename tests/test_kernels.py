@@ -108,6 +108,27 @@ def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c,
     assert torch.equal(keys[~miss], before[~miss])  # hits untouched
 
 
+def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
+    """Rows that share one document hold stride-0 factors and positions: the same keys as private copies."""
+    torch.manual_seed(0)
+    rope = llama3_rope()
+    batch, heads, slots, chunks, c, dim, rank = 3, 8, 40, 64, 8, 128, 160
+    a = (torch.randn(1, chunks * c, rank, device=CUDA) / rank**0.5).to(torch.bfloat16)
+    b = torch.randn(1, rank, heads, dim, device=CUDA).to(torch.bfloat16)
+    positions = torch.arange(chunks * c, device=CUDA)[None] + 7
+    ids = torch.stack([torch.randperm(chunks, device=CUDA)[:slots] for _ in range(batch * heads)]).view(
+        batch, heads, slots
+    )
+    miss = torch.rand(batch, heads, slots, device=CUDA) < 0.5
+    shared = torch.zeros(batch, heads, slots, c, dim, device=CUDA, dtype=torch.bfloat16)
+    private = shared.clone()
+    expand = lambda t: t.expand(batch, *t.shape[1:])  # noqa: E731
+    rebuild_missed_keys(shared, ids, miss, expand(a), expand(b), expand(positions), rope)
+    rebuild_missed_keys(private, ids, miss, expand(a).contiguous(), expand(b).contiguous(),
+                        expand(positions).contiguous(), rope)  # fmt: skip
+    assert torch.equal(shared, private)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 5), (4, 2, 77, 77, 8, 64)]

@@ -183,17 +183,6 @@ class Kernels:
             cubin = cubin_for(stem, _device_arch(device))
             self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({stem})")
         self._functions: dict[str, object] = {}
-        self._shared_allowed: dict[str, int] = {}
-
-    def _allow_shared(self, name: str, shared_bytes: int) -> None:
-        if self._shared_allowed.get(name, 0) >= shared_bytes:
-            return
-        attribute = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(
-            self._driver.cuFuncSetAttribute(self.function(name), attribute, shared_bytes),
-            f"cuFuncSetAttribute({self.stem}.{name}, {shared_bytes} bytes of shared memory)",
-        )
-        self._shared_allowed[name] = shared_bytes
 
     def function(self, name: str):
         fn = self._functions.get(name)
@@ -226,8 +215,6 @@ class Kernels:
                 values.append(ctype(value))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        if shared_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in (once per size)
-            self._allow_shared(name, shared_bytes)
         _check(
             self._driver.cuLaunchKernel(
                 self.function(name), *grid, *block, shared_bytes, stream, ctypes.addressof(pointers), 0

@@ -4,8 +4,9 @@ Legend: B batch, Hkv KV heads, Tc compressed tokens, R rank, D head dim, M misse
 K slots.
 
 `rebuild_keys` is the definition (the PyTorch twin). `rebuild_missed_keys` writes the rebuilt keys into
-the slots flagged by the temporal scan: on CUDA through `kernels/rebuild_keys.cu` (one block per slot, hits
-return at once, so the host never learns how many missed), otherwise through the twin.
+the slots flagged by the temporal scan. On CUDA the product runs as one batched GEMM over every slot (tensor
+cores; the host never learns how many missed) and `kernels/rebuild_keys.cu` applies RoPE to the misses and
+writes them; otherwise the twin rebuilds the misses.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def rebuild_missed_keys(
         and a.dtype == b.dtype == keys.dtype
         and keys.is_contiguous()
         and dim % 2 == 0
-        and _shared_bytes(c, a.shape[-1], dim, keys.dtype) <= _max_shared_bytes(keys.device)
+        and positions.stride(-1) == 1
     ):
         _launch(keys, ids, miss, a, b, positions, inv_freq, float(rope.attention_scaling))
         return
@@ -92,55 +93,50 @@ def rebuild_missed_keys(
             )
         return
     # Accelerator without kernels: rebuild every slot (fixed size, no synchronisation) and keep the misses.
-    rows = torch.arange(batch, device=keys.device)[:, None, None].expand_as(ids).reshape(-1)
-    hs = torch.arange(heads, device=keys.device)[None, :, None].expand_as(ids).reshape(-1)
-    rebuilt = rebuild_keys(a, b, positions, rows, hs, ids.clamp(min=0).reshape(-1), c, rope)
-    keys.copy_(torch.where(miss[..., None, None], rebuilt.view_as(keys).to(keys.dtype), keys))
+    pre = _slot_products(ids, a, b, c)  # [B, Hkv, K, c, D]
+    tokens = ids.clamp(min=0)[..., None] * c + torch.arange(c, device=ids.device)  # [B, Hkv, K, c]
+    token_positions = positions.gather(1, tokens.reshape(batch, -1)).view(batch * heads * num_slots, c)
+    rebuilt = rope(pre.view(-1, c, dim), token_positions).view_as(keys)
+    keys.copy_(torch.where(miss[..., None, None], rebuilt.to(keys.dtype), keys))
 
 
-_SLOTS_PER_BLOCK = 32  # ~13 misses per block at h = 0.6: the staged B slice is reused that often
-_MAX_SHARED: dict[int, int] = {}
-
-
-def _shared_bytes(c: int, rank: int, dim: int, dtype: torch.dtype) -> int:
-    """Dynamic shared memory of `kernels/rebuild_keys.cu`: A tile and pre-RoPE rows in fp32, B slice in `dtype`."""
-    rank4 = -(-rank // 4) * 4
-    return 4 * c * rank4 + 4 * c * dim + dtype.itemsize * rank4 * dim
-
-
-def _max_shared_bytes(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MAX_SHARED:
-        props = torch.cuda.get_device_properties(index)
-        _MAX_SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-    return _MAX_SHARED[index]
+def _slot_products(ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: int) -> torch.Tensor:
+    """Pre-RoPE keys `[B, Hkv, K, c, D]` of every slot's chunk (empty slots read chunk 0): one batched GEMM."""
+    batch, heads, num_slots = ids.shape
+    rank = a.shape[-1]
+    chunks = a.shape[1] // c
+    # Rows sharing one document (stride 0) index the single copy; a reshape would materialise one per row.
+    shared = batch > 1 and a.stride(0) == 0
+    chunk_rows = (a[:1] if shared else a).reshape(-1, c * rank)  # [B' * C, c*R]: one chunk's rows of A per row
+    index = ids.clamp(min=0)
+    if not shared:
+        index = index + torch.arange(batch, device=ids.device)[:, None, None] * chunks
+    a_sel = chunk_rows[index].view(batch, heads, num_slots * c, rank)
+    b_heads = (b[:1] if shared else b).permute(0, 2, 1, 3)  # [B', Hkv, R, D]
+    return torch.matmul(a_sel, b_heads).view(batch, heads, num_slots, c, -1)
 
 
 def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> None:
     batch, heads, num_slots, c, dim = keys.shape
-    rank = a.shape[-1]
+    pre = _slot_products(ids, a, b, c)
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
     kernels.launch(
-        f"rebuild_keys_{_KERNEL_DTYPES[keys.dtype]}",
-        grid=(-(-num_slots // _SLOTS_PER_BLOCK), heads, batch),
+        f"rope_missed_{_KERNEL_DTYPES[keys.dtype]}",
+        grid=(num_slots, heads, batch),
         block=(128, 1, 1),
         args=[
             keys,
+            pre,
             ids.contiguous(),
             miss.contiguous(),
-            a.contiguous(),
-            b.contiguous(),
-            positions.contiguous(),
+            positions,
+            (positions.stride(0), ctypes.c_longlong),
             inv_freq.to(device=keys.device, dtype=torch.float32).contiguous(),
             (attention_scaling, ctypes.c_float),
             (heads, i32),
             (num_slots, i32),
             (c, i32),
             (dim, i32),
-            (a.shape[1], i32),
-            (rank, i32),
-            (_SLOTS_PER_BLOCK, i32),
         ],
-        shared_bytes=_shared_bytes(c, rank, dim, keys.dtype),
     )
