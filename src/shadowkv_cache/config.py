@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ResolvedSizes", "ShadowKVConfig"]
+__all__ = ["ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
+
+# How the host value store encodes values (value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
+VALUE_FORMATS = ("native", "fp8")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
 _RANK_SHARE = 0.15625  # 160 / 1024
@@ -51,6 +54,11 @@ class ShadowKVConfig:
             at a 1024-token budget, against 0/3 with sparse question steps.
         pin_memory (`bool`, *optional*, defaults to `True`):
             Pin the host value store when the model runs on CUDA (needed for fast, asynchronous fetches).
+        value_format (`str`, *optional*, defaults to `"native"`):
+            How the offloaded values are stored in host memory: `"native"` in the KV dtype (16 bits per value in
+            bf16), `"fp8"` as float8 e4m3 with one bf16 scale per value vector (`8 + 16/D` bits), `"higgs4"`
+            ~4-bit HIGGS codes (2-D grid, `4 + 16/D` bits). Fetched values are decoded to the KV dtype; the
+            outlier, local and generated values stay exact. See `value_codecs.py`.
 
     >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
     8
@@ -64,6 +72,7 @@ class ShadowKVConfig:
     min_compress_len: int = 4096
     dense_multi_token_steps: bool = True
     pin_memory: bool = True
+    value_format: str = "native"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -111,6 +120,8 @@ class ShadowKVConfig:
             raise bad("dense_multi_token_steps", self.dense_multi_token_steps, "use True or False.")
         if not isinstance(self.pin_memory, bool):
             raise bad("pin_memory", self.pin_memory, "use True or False.")
+        if self.value_format not in VALUE_FORMATS:
+            raise bad("value_format", self.value_format, f"use one of {', '.join(map(repr, VALUE_FORMATS))}.")
 
     def resolve(self, num_tokens: int, key_dim: int) -> ResolvedSizes:
         """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`."""

@@ -1,0 +1,104 @@
+"""How the host value store encodes the offloaded values (`ShadowKVConfig.value_format`).
+
+Legend: D head dim, P payload elements per value vector.
+
+A codec turns value vectors `[..., D]` into a payload `[..., P]` plus, for the quantised formats, one scale
+per vector `[...]`, and back. The store keeps both in its chunk-major layout, so a fetch moves one block of
+payload and its scales. Decoding is defined here (PyTorch); the CUDA kernels in `kernels/gather_values.cu`
+do the same arithmetic while they read pinned host memory.
+
+- `native`: the KV dtype unchanged (16 bits per value in bf16).
+- `fp8`: float8 e4m3 with one bf16 scale per vector, `absmax / 448`: `8 + 16/D` bits per value. Each value
+  is off by at most 2^-4 of itself (3 mantissa bits, round to nearest) or 2^-10 of the scale (the
+  subnormal step), whichever is larger.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["Fp8Codec", "NativeCodec", "ValueCodec", "check_value_format", "value_codec"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+class ValueCodec:
+    """Encode value vectors `[..., D]` to `(payload [..., P], scales [...] or None)` and back."""
+
+    name: str = ""
+    payload_dtype: torch.dtype | None = None  # None: the KV dtype
+    scale_dtype: torch.dtype | None = None  # None: no scales
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+
+    @property
+    def payload_dim(self) -> int:
+        return self.head_dim
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Values `[..., D]` in `dtype`, on the payload's device."""
+        raise NotImplementedError
+
+    def bits_per_value(self, kv_dtype: torch.dtype) -> float:
+        """Host bits per stored value, scales included."""
+        payload = torch.empty((), dtype=self.payload_dtype or kv_dtype).element_size() * 8 * self.payload_dim
+        scale = torch.empty((), dtype=self.scale_dtype).element_size() * 8 if self.scale_dtype else 0
+        return (payload + scale) / self.head_dim
+
+    def identity(self) -> dict:
+        """What a prefix file records so that a reader decodes the payload as it was encoded."""
+        return {"name": self.name, "head_dim": self.head_dim}
+
+
+class NativeCodec(ValueCodec):
+    """The KV dtype unchanged."""
+
+    name = "native"
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return values, None
+
+    def decode(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return payload.to(dtype)
+
+
+class Fp8Codec(ValueCodec):
+    """float8 e4m3 codes with one bf16 scale (`absmax / 448`) per vector."""
+
+    name = "fp8"
+    payload_dtype = FP8
+    scale_dtype = torch.bfloat16
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = values.float()
+        scale = (x.abs().amax(dim=-1) / FP8_MAX).to(self.scale_dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector encodes as zeros
+        # Divided by the stored (rounded) scale, so the scale's rounding costs nothing but a clamp of <= 2^-8.
+        codes = (x / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        return codes, scale
+
+    def decode(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return (payload.float() * scales.float()[..., None]).to(dtype)
+
+
+_CODECS: dict[str, type[ValueCodec]] = {c.name: c for c in (NativeCodec, Fp8Codec)}
+
+
+def check_value_format(name: str, head_dim: int) -> None:
+    """Raise `ValueError` when `name` cannot encode values of `head_dim` (before any state changes)."""
+    if name not in _CODECS:
+        raise ValueError(f"value_format={name!r} is unknown; use one of {', '.join(map(repr, _CODECS))}.")
+
+
+@functools.cache
+def value_codec(name: str, head_dim: int) -> ValueCodec:
+    """The codec of format `name` for vectors of `head_dim` (one instance per format and size)."""
+    check_value_format(name, head_dim)
+    return _CODECS[name](head_dim)

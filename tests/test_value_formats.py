@@ -1,0 +1,251 @@
+"""Quantised value offload (`value_format`): the store's round trip, exactness against a DynamicCache that
+holds the same rounded values, padded batches, prefix files, memory accounting, and bad settings.
+
+Legend: R rows, Hkv KV heads, C chunks, c chunk size, D head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    HEAD_DIM,
+    assert_logits_close,
+    dynamic_cache,
+    forward_with,
+    full_budget_overrides,
+    generate_with,
+    left_pad,
+    make_tiny_model,
+    random_prompt,
+    small_budget_overrides,
+    tiny_model,
+)
+
+from shadowkv_cache import PrefixCacheError, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.ops.gather_values import gather_values
+from shadowkv_cache.value_codecs import value_codec
+from shadowkv_cache.value_store import HostValueStore
+
+QUANTISED = ["fp8"]
+NEW_TOKENS = 10
+
+
+def value_like(shape, seed=0) -> torch.Tensor:
+    """Values with the spread of real ones: a heavy-tailed scale per vector, some all-zero (pad) vectors."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[:-1], generator=gen) * 2)[..., None]
+    x[0, 0, 0] = 0  # a pad chunk
+    return x
+
+
+# -- the store --------------------------------------------------------------------------------------------------
+
+
+def test_native_store_round_trip_is_exact():
+    data = value_like((2, 3, 5, 4, 16))
+    store = HostValueStore.offload(data, pin=False)
+    assert torch.equal(store.read_rows(2, torch.device("cpu"), data.dtype).view_as(data), data)
+    assert store.nbytes == data.numel() * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_store_round_trip_error_bound(dtype):
+    """Each value is off by at most 2^-4 of itself (3 mantissa bits, round to nearest; covers the clamp of the
+    bf16-rounded scale) or 2^-10 of its vector's scale (the subnormal step), plus the output dtype's rounding."""
+    data = value_like((3, 2, 7, 8, 64)).to(dtype)
+    store = HostValueStore.offload(data, pin=False, value_format="fp8")
+    assert store.data.dtype == torch.float8_e4m3fn and store.data.shape == data.shape
+    assert store.scales.dtype == torch.bfloat16 and store.scales.shape == data.shape[:-1]
+    out = store.read_rows(3, torch.device("cpu"), dtype).view_as(data).float()
+    x = data.float()
+    scale = store.scales.float()[..., None]
+    eps = torch.finfo(dtype).eps / 2  # the output's own rounding
+    bound = (2**-4 * x.abs() + 2**-10 * scale) * (1 + eps) + eps * x.abs()
+    assert bool(((out - x).abs() <= bound).all())
+    assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))  # zero vectors stay zero
+    # The largest value of each vector maps to the top of the fp8 range: nothing of the range is wasted.
+    top = store.data.float().abs().amax(-1)
+    assert bool((top[x.abs().amax(-1) > 0] >= 416).all())  # 448 less one step below it
+    rel = ((out - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))[x.norm(dim=-1) > 0]
+    assert float(rel.mean()) < 0.03  # ~2^-4/sqrt(3)/2 for uniform rounding in each binade
+
+
+@pytest.mark.parametrize("value_format", QUANTISED)
+def test_quantised_store_counts_its_real_bytes(value_format):
+    data = value_like((2, 3, 5, 8, 64))
+    store = HostValueStore.offload(data, pin=False, value_format=value_format)
+    bits = value_codec(value_format, 64).bits_per_value(torch.bfloat16)
+    assert store.nbytes == data.numel() * bits / 8
+    assert store.nbytes == store.data.nbytes + store.scales.nbytes
+
+
+@pytest.mark.parametrize("value_format", QUANTISED)
+def test_gather_twin_decodes_through_row_map(value_format):
+    data = value_like((3, 2, 11, 4, 16))
+    store = HostValueStore.offload(data, pin=False, value_format=value_format).select_rows(torch.tensor([2, 0]))
+    decoded = store.codec.decode(store.data, store.scales, torch.float32)  # [R, Hkv, C, c, D]
+    ids = torch.randint(0, 11, (2, 2, 7))
+    miss = torch.rand(2, 2, 7) < 0.5
+    values = torch.full((2, 2, 7, 4, 16), 7.0)
+    gather_values(values, ids, miss, store)
+    rows = torch.tensor([2, 0])
+    for b in range(2):
+        for h in range(2):
+            for k in range(7):
+                expected = decoded[rows[b], h, ids[b, h, k]] if miss[b, h, k] else torch.full((4, 16), 7.0)
+                assert torch.equal(values[b, h, k], expected)
+
+
+# -- the cache ---------------------------------------------------------------------------------------------------
+
+
+def rounded_reference(model, ids, cache: ShadowKVCache, steps: int) -> torch.Tensor:
+    """Logits `[steps+1, V]` of a `DynamicCache` whose prompt values in `cache`'s selectable chunks are replaced,
+    after prefill, by what `cache`'s store decodes to; outliers and the local window stay exact, as in ShadowKV.
+    Fed the tokens `cache` generated (teacher forcing)."""
+    ref = dynamic_cache(model)
+    out = forward_with(model, ids[:, : ids.shape[1] - steps], ref)
+    logits = [out.logits[:, -1]]
+    for dyn, layer in zip(ref.layers, cache.layers):
+        prompt, store = layer.prompt, layer.prompt.values
+        decoded = store.codec.decode(store.data, store.scales, dyn.values.dtype)  # [1, Hkv, C, c, D]
+        _, heads, chunks, c, dim = decoded.shape
+        start = prompt.slots - (prompt.positions.shape[1] + prompt.local_keys.shape[2])  # 0 for one row
+        span = dyn.values[:, :, start : start + chunks * c].view(1, heads, chunks, c, dim)
+        keep = prompt.selectable[..., None, None]
+        span.copy_(torch.where(keep, decoded, span))
+    for t in range(ids.shape[1] - steps, ids.shape[1]):
+        logits.append(forward_with(model, ids[:, t : t + 1], ref).logits[:, -1])
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("value_format", QUANTISED)
+def test_full_budget_equals_dynamic_cache_with_the_same_rounded_values(arch, value_format):
+    """At full rank and budget the only approximation left is the value format: ShadowKV must then equal a
+    DynamicCache holding the same decoded values, to fp32 round-off, and stay close to the exact one."""
+    model = tiny_model(arch)
+    prompt = random_prompt(301)
+    cache = ShadowKVCache(model, **full_budget_overrides(value_format=value_format))
+    out = generate_with(model, prompt, cache, max_new_tokens=NEW_TOKENS)
+    assert all(layer.is_compressed and layer.prompt.values.codec.name == value_format for layer in cache.layers)
+    got = torch.cat(out.logits)
+
+    rounded = rounded_reference(model, out.sequences[:, :-1], cache, NEW_TOKENS - 1)
+    torch.testing.assert_close(got, rounded, rtol=1e-4, atol=1e-4)
+
+    exact = generate_with(model, prompt, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out.sequences, exact.sequences)
+    assert_value_error_sized(got, torch.cat(exact.logits), value_format)
+
+
+# Worst relative error of one value per format. A convex combination of values (attention) is off by at most
+# that share, and the nearly linear layers after it carry about that share of the logits' spread; so the RMS
+# logit drift against exact values stays under it times the logits' std (measured for fp8 on these tiny
+# models: 0.024-0.036 against 0.072 allowed). A wrong fetch or decode moves logits by whole units.
+VALUE_ERROR = {"fp8": 2**-4}
+
+
+def assert_value_error_sized(got: torch.Tensor, exact: torch.Tensor, value_format: str) -> None:
+    rms = (got - exact).pow(2).mean().sqrt().item()
+    assert 0 < rms <= VALUE_ERROR[value_format] * exact.std().item(), (rms, exact.std().item())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_left_padded_rows_match_rows_alone(arch):
+    model = tiny_model(arch)
+    overrides = small_budget_overrides(value_format="fp8")
+    rows = [random_prompt(n, seed=i)[0] for i, n in enumerate((300, 211, 40))]
+    ids, mask = left_pad(rows)
+    batch = generate_with(model, ids, ShadowKVCache(model, **overrides), attention_mask=mask, max_new_tokens=8)
+    for i, row in enumerate(rows):
+        alone = generate_with(model, row[None], ShadowKVCache(model, **overrides), max_new_tokens=8)
+        assert torch.equal(batch.sequences[i, ids.shape[1] :], alone.sequences[0, len(row) :]), f"row {i}"
+        assert_logits_close([step[i : i + 1] for step in batch.logits], alone.logits)
+
+
+@pytest.mark.parametrize("value_format", QUANTISED)
+def test_multi_token_step_decodes_the_whole_prompt(value_format):
+    """A new turn reads every chunk from the store (the whole-prompt step) and must decode it too."""
+    model = tiny_model("mistral")
+    prompt, turn = random_prompt(300), random_prompt(5, seed=9)
+    cache = ShadowKVCache(model, **full_budget_overrides(value_format=value_format))
+    first = generate_with(model, prompt, cache, max_new_tokens=4)
+    ids = torch.cat([first.sequences, turn], dim=1)
+    second = generate_with(model, ids, cache, max_new_tokens=4)
+    ref = dynamic_cache(model)
+    generate_with(model, prompt, ref, max_new_tokens=4)
+    exact = generate_with(model, ids, ref, max_new_tokens=4)
+    assert torch.equal(second.sequences, exact.sequences)
+    assert_value_error_sized(torch.cat(second.logits), torch.cat(exact.logits), value_format)  # > 0: used
+
+
+def test_memory_report_counts_quantised_host_bytes():
+    model = tiny_model("llama")
+    prompt = random_prompt(301)
+    native = ShadowKVCache(model, **small_budget_overrides())
+    fp8 = ShadowKVCache(model, **small_budget_overrides(value_format="fp8"))
+    forward_with(model, prompt, native)
+    forward_with(model, prompt, fp8)
+    a, b = native.memory_report(), fp8.memory_report()
+    assert a.gpu_bytes == b.gpu_bytes  # only the host side changes
+    # fp32 values are 32 bits; fp8 codes plus a bf16 scale per 16-value vector are 8 + 16/16 = 9 bits.
+    assert b.host_bytes * 32 == a.host_bytes * (8 + 16 / HEAD_DIM)
+
+
+# -- prefix files ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_format", QUANTISED)
+def test_prefix_round_trip_keeps_the_encoded_values(tmp_path, value_format):
+    model = tiny_model("llama")
+    document, question = random_prompt(240, seed=500)[0], random_prompt(6, seed=501)[0]
+    doc = ShadowKVCache.prefill(model, document, **small_budget_overrides(value_format=value_format))
+    doc.save_prefix(tmp_path / "doc.safetensors")
+    loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+    assert loaded.config.value_format == value_format
+    for a, b in zip(doc.layers, loaded.layers):
+        assert a.prompt.values.data.dtype == b.prompt.values.data.dtype
+        assert torch.equal(a.prompt.values.data.view(torch.uint8), b.prompt.values.data.view(torch.uint8))
+        assert torch.equal(a.prompt.values.scales, b.prompt.values.scales)
+    ids = torch.cat([document, question])[None]
+    original = generate_with(model, ids, doc.fork(), max_new_tokens=8)
+    again = generate_with(model, ids, loaded, max_new_tokens=8)
+    assert torch.equal(again.sequences, original.sequences)
+    assert_logits_close(again.logits, original.logits, rtol=0, atol=0)
+
+    with pytest.raises(PrefixCacheError, match=f"value_format: '{value_format}' in the file, 'native' here"):
+        ShadowKVCache.load_prefix(make_tiny_model("llama"), tmp_path / "doc.safetensors", value_format="native")
+
+
+def test_prefix_with_another_codec_is_refused(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shadowkv_cache.prefix import METADATA_KEY
+
+    model = tiny_model("llama")
+    src, dst = tmp_path / "doc.safetensors", tmp_path / "other.safetensors"
+    ShadowKVCache.prefill(model, random_prompt(240)[0], **small_budget_overrides(value_format="fp8")).save_prefix(src)
+    with safe_open(src, framework="pt") as f:
+        meta = json.loads(f.metadata()[METADATA_KEY])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    meta["value_codec"]["head_dim"] = 32
+    save_file(tensors, dst, metadata={METADATA_KEY: json.dumps(meta)})
+    with pytest.raises(PrefixCacheError, match="stores values encoded as"):
+        ShadowKVCache.load_prefix(model, dst)
+
+
+# -- bad settings ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["int3", "FP8", "bf16", None, 8])
+def test_unknown_value_format_is_refused(bad):
+    with pytest.raises(ValueError, match="ShadowKVConfig.value_format=.*use one of 'native', 'fp8'"):
+        ShadowKVConfig(value_format=bad)
+    model = make_tiny_model("llama", seed=7)
+    with pytest.raises(ValueError, match="value_format"):
+        ShadowKVCache(model, value_format=bad)
