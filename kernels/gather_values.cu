@@ -114,3 +114,88 @@ __device__ __forceinline__ void gather_values_fp8(T* values, const long long* id
 GATHER_FP8(gather_values_fp8_bf16, bf16)
 GATHER_FP8(gather_values_fp8_f16, f16)
 GATHER_FP8(gather_values_fp8_f32, float)
+
+/// \brief One block per (slot, head, row): the missed block's `c` HIGGS vectors (`D/2` uint8 codes each, one
+/// per pair of rotated coordinates, and an fp16 norm) decoded into `T`. Same arithmetic as
+/// `Higgs4Codec.decode` (`HiggsQuantizer.dequantize`) up to the order of the sums: grid points, the inverse
+/// rotation as a fast Walsh-Hadamard transform in shared memory (unnormalised butterflies, natural order), then
+/// times `norm / D` (the two 1/sqrt(D) factors: the grid's unit scale and the orthonormal Hadamard) and the
+/// sign of each coordinate.
+///
+/// \param host          pinned uint8 codes [rows, Hkv, C, c, D/2]; block (r, h, ch) at r*row_stride +
+///                      h*head_stride + ch*c*D/2 bytes
+/// \param scales        pinned fp16 norms [rows, Hkv, C, c]; block (r, h, ch) at r*scale_row_stride +
+///                      h*scale_head_stride + ch*c*2 bytes
+/// \param grid          [256, 2] float32 on the device: the grid points
+/// \param signs         [D] float32 on the device: the rotation's sign flips (+-1)
+/// \param vec16         1 when the code block addresses are 16-byte aligned and D/2 % 16 == 0
+/// Launch: grid (K, Hkv, B), block 128 threads, dynamic shared memory (c*D + c)*4 bytes; D a power of two.
+template <typename T>
+__device__ __forceinline__ void gather_values_higgs4(T* values, const long long* ids, const bool* miss,
+                                                     const unsigned char* host, const long long* row_map,
+                                                     long long row_stride, long long head_stride, int Hkv, int K,
+                                                     const unsigned char* scales, long long scale_row_stride,
+                                                     long long scale_head_stride, int c, int D, int vec16,
+                                                     const float* grid, const float* signs) {
+    extern __shared__ float smem[];  // [c*D] coordinates, then [c] norms
+    float* norm = smem + c * D;
+    const int slot = blockIdx.x, head = blockIdx.y, row = blockIdx.z;
+    const size_t sh = ((size_t)row * Hkv + head) * K + slot;
+    if (!miss[sh]) return;
+    const long long stored = row_map[row], chunk = ids[sh];
+    const int codes_per_chunk = c * (D >> 1);
+    const unsigned char* src = host + stored * row_stride + head * head_stride + chunk * (long long)codes_per_chunk;
+    const f16* sc = reinterpret_cast<const f16*>(scales + stored * scale_row_stride + head * scale_head_stride +
+                                                  chunk * (long long)c * 2);
+    for (int i = threadIdx.x; i < c; i += blockDim.x) norm[i] = to_f32(sc[i]);
+    const float2* points = reinterpret_cast<const float2*>(grid);
+    if (vec16) {  // 16 codes per 16-byte load over PCIe
+        for (int g = threadIdx.x; g < (codes_per_chunk >> 4); g += blockDim.x) {
+            const uint4 word = reinterpret_cast<const uint4*>(src)[g];
+            const unsigned int parts[4] = {word.x, word.y, word.z, word.w};
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float2 p = points[(parts[j >> 2] >> ((j & 3) * 8)) & 0xFFu];
+                smem[2 * ((g << 4) + j)] = p.x;
+                smem[2 * ((g << 4) + j) + 1] = p.y;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < codes_per_chunk; i += blockDim.x) {
+            const float2 p = points[src[i]];
+            smem[2 * i] = p.x;
+            smem[2 * i + 1] = p.y;
+        }
+    }
+    __syncthreads();
+    // Walsh-Hadamard transform of each of the c vectors: pairs (i, i + h) within blocks of 2h.
+    const int pairs = c * (D >> 1);
+    for (int h = 1; h < D; h <<= 1) {
+        for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+            const int vec = p / (D >> 1), q = p % (D >> 1);
+            const int i = vec * D + (q / h) * 2 * h + (q % h);
+            const float a = smem[i], b = smem[i + h];
+            smem[i] = a + b;
+            smem[i + h] = a - b;
+        }
+        __syncthreads();
+    }
+    T* dst = values + sh * (size_t)c * D;
+    for (int i = threadIdx.x; i < c * D; i += blockDim.x) {
+        const int d = i % D;
+        dst[i] = from_f32<T>(smem[i] * (norm[i / D] / (float)D) * signs[d]);
+    }
+}
+
+#define GATHER_HIGGS4(NAME, T)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128)                                                             \
+        NAME(T* values, const long long* ids, const bool* miss, const unsigned char* host, const long long* row_map, \
+             long long row_stride, long long head_stride, int Hkv, int K, const unsigned char* scales,             \
+             long long scale_row_stride, long long scale_head_stride, int c, int D, int vec16, const float* grid,  \
+             const float* signs) {                                                                                 \
+        gather_values_higgs4<T>(values, ids, miss, host, row_map, row_stride, head_stride, Hkv, K, scales,         \
+                                scale_row_stride, scale_head_stride, c, D, vec16, grid, signs);                    \
+    }
+GATHER_HIGGS4(gather_values_higgs4_bf16, bf16)
+GATHER_HIGGS4(gather_values_higgs4_f16, f16)
+GATHER_HIGGS4(gather_values_higgs4_f32, float)

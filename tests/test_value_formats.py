@@ -27,7 +27,7 @@ from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.value_codecs import value_codec
 from shadowkv_cache.value_store import HostValueStore
 
-QUANTISED = ["fp8"]
+QUANTISED = ["fp8", "higgs4"]
 NEW_TOKENS = 10
 
 
@@ -71,6 +71,23 @@ def test_fp8_store_round_trip_error_bound(dtype):
     assert float(rel.mean()) < 0.03  # ~2^-4/sqrt(3)/2 for uniform rounding in each binade
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_higgs4_store_round_trip_error_matches_the_grid(head_dim):
+    """The relative squared error of a vector is about the grid's distortion on N(0, 1) (the rotated, rescaled
+    coordinates are close to it), whatever the vector's scale; zero vectors stay zero."""
+    data = value_like((2, 4, 16, 8, head_dim))
+    store = HostValueStore.offload(data, pin=False, value_format="higgs4")
+    assert store.data.dtype == torch.uint8 and store.data.shape == (*data.shape[:-1], head_dim // 2)
+    assert store.scales.dtype == torch.float16 and store.scales.shape == data.shape[:-1]
+    out = store.read_rows(2, torch.device("cpu"), torch.float32).view_as(data)
+    norm = data.norm(dim=-1)
+    rel = ((out - data).norm(dim=-1) / norm.clamp_min(1e-30)).square()[norm > 0]
+    expected = store.codec.quantizer.expected_distortion
+    assert 0.8 * expected <= float(rel.mean()) <= 1.25 * expected, (float(rel.mean()), expected)
+    assert float(rel.max()) < 10 * expected  # no vector is lost (a wrong code or norm costs ~1)
+    assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))
+
+
 @pytest.mark.parametrize("value_format", QUANTISED)
 def test_quantised_store_counts_its_real_bytes(value_format):
     data = value_like((2, 3, 5, 8, 64))
@@ -94,30 +111,35 @@ def test_gather_twin_decodes_through_row_map(value_format):
         for h in range(2):
             for k in range(7):
                 expected = decoded[rows[b], h, ids[b, h, k]] if miss[b, h, k] else torch.full((4, 16), 7.0)
-                assert torch.equal(values[b, h, k], expected)
+                torch.testing.assert_close(values[b, h, k], expected)  # higgs4: a matmul of another size
 
 
 # -- the cache ---------------------------------------------------------------------------------------------------
 
 
-def rounded_reference(model, ids, cache: ShadowKVCache, steps: int) -> torch.Tensor:
-    """Logits `[steps+1, V]` of a `DynamicCache` whose prompt values in `cache`'s selectable chunks are replaced,
-    after prefill, by what `cache`'s store decodes to; outliers and the local window stay exact, as in ShadowKV.
-    Fed the tokens `cache` generated (teacher forcing)."""
+def dynamic_reference(model, ids, steps: int, cache: ShadowKVCache | None = None) -> tuple[torch.Tensor, float]:
+    """Teacher-forced logits `[steps+1, V]` of a `DynamicCache` prefilled with `ids[:, :-steps]` and fed the rest.
+
+    With `cache`, its prompt values in `cache`'s selectable chunks are replaced after prefill by what `cache`'s
+    store decodes to; outliers and the local window stay exact, as in ShadowKV. Also returns the relative RMS
+    error `||decoded - exact|| / ||exact||` over the replaced values (0 without `cache`).
+    """
     ref = dynamic_cache(model)
     out = forward_with(model, ids[:, : ids.shape[1] - steps], ref)
-    logits = [out.logits[:, -1]]
-    for dyn, layer in zip(ref.layers, cache.layers):
+    logits, err, norm = [out.logits[:, -1]], 0.0, 0.0
+    for dyn, layer in zip(ref.layers, cache.layers if cache is not None else []):
         prompt, store = layer.prompt, layer.prompt.values
         decoded = store.codec.decode(store.data, store.scales, dyn.values.dtype)  # [1, Hkv, C, c, D]
         _, heads, chunks, c, dim = decoded.shape
         start = prompt.slots - (prompt.positions.shape[1] + prompt.local_keys.shape[2])  # 0 for one row
         span = dyn.values[:, :, start : start + chunks * c].view(1, heads, chunks, c, dim)
         keep = prompt.selectable[..., None, None]
+        err += ((decoded - span) * keep).pow(2).sum().item()
+        norm += (span * keep).pow(2).sum().item()
         span.copy_(torch.where(keep, decoded, span))
     for t in range(ids.shape[1] - steps, ids.shape[1]):
         logits.append(forward_with(model, ids[:, t : t + 1], ref).logits[:, -1])
-    return torch.cat(logits)
+    return torch.cat(logits), (err / norm) ** 0.5 if norm else 0.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -130,26 +152,31 @@ def test_full_budget_equals_dynamic_cache_with_the_same_rounded_values(arch, val
     cache = ShadowKVCache(model, **full_budget_overrides(value_format=value_format))
     out = generate_with(model, prompt, cache, max_new_tokens=NEW_TOKENS)
     assert all(layer.is_compressed and layer.prompt.values.codec.name == value_format for layer in cache.layers)
-    got = torch.cat(out.logits)
+    got, tokens = torch.cat(out.logits), out.sequences[:, :-1]
 
-    rounded = rounded_reference(model, out.sequences[:, :-1], cache, NEW_TOKENS - 1)
+    rounded, value_error = dynamic_reference(model, tokens, NEW_TOKENS - 1, cache)
     torch.testing.assert_close(got, rounded, rtol=1e-4, atol=1e-4)
 
-    exact = generate_with(model, prompt, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
-    assert torch.equal(out.sequences, exact.sequences)
-    assert_value_error_sized(got, torch.cat(exact.logits), value_format)
+    exact, _ = dynamic_reference(model, tokens, NEW_TOKENS - 1)
+    assert_drift_sized_by(got, exact, value_error, value_format)
+    if value_format == "fp8":  # 4-bit values may flip a near tie of these random models' logits
+        greedy = generate_with(model, prompt, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out.sequences, greedy.sequences)
 
 
-# Worst relative error of one value per format. A convex combination of values (attention) is off by at most
-# that share, and the nearly linear layers after it carry about that share of the logits' spread; so the RMS
-# logit drift against exact values stays under it times the logits' std (measured for fp8 on these tiny
-# models: 0.024-0.036 against 0.072 allowed). A wrong fetch or decode moves logits by whole units.
-VALUE_ERROR = {"fp8": 2**-4}
+# The bound: a convex combination of values (attention) is off by at most the values' relative error, and the
+# nearly linear layers after it move the logits by about that share of their spread. So the RMS logit drift
+# against exact values (same tokens) should be about the measured relative RMS value error times the logits'
+# std; 2x allows for the amplification through the layers (measured on these tiny models: fp8 1.1-1.7x,
+# higgs4 ~1.3x, of value errors ~0.018 and ~0.09). A wrong fetch or decode moves logits by whole units.
+VALUE_ERROR = {"fp8": (0.01, 0.03), "higgs4": (0.07, 0.12)}  # plausible relative RMS value error per format
 
 
-def assert_value_error_sized(got: torch.Tensor, exact: torch.Tensor, value_format: str) -> None:
+def assert_drift_sized_by(got: torch.Tensor, exact: torch.Tensor, value_error: float, value_format: str) -> None:
+    low, high = VALUE_ERROR[value_format]
+    assert low <= value_error <= high, value_error
     rms = (got - exact).pow(2).mean().sqrt().item()
-    assert 0 < rms <= VALUE_ERROR[value_format] * exact.std().item(), (rms, exact.std().item())
+    assert 0 < rms <= 2 * value_error * exact.std().item(), (rms, value_error, exact.std().item())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -174,11 +201,16 @@ def test_multi_token_step_decodes_the_whole_prompt(value_format):
     first = generate_with(model, prompt, cache, max_new_tokens=4)
     ids = torch.cat([first.sequences, turn], dim=1)
     second = generate_with(model, ids, cache, max_new_tokens=4)
+    # Teacher-forced on the same tokens: the first turn, then the whole new turn as one step, then one by one.
     ref = dynamic_cache(model)
-    generate_with(model, prompt, ref, max_new_tokens=4)
-    exact = generate_with(model, ids, ref, max_new_tokens=4)
-    assert torch.equal(second.sequences, exact.sequences)
-    assert_value_error_sized(torch.cat(second.logits), torch.cat(exact.logits), value_format)  # > 0: used
+    forward_with(model, first.sequences[:, :-1], ref)
+    logits = [forward_with(model, ids[:, first.sequences.shape[1] - 1 :], ref).logits[:, -1]]
+    for t in range(ids.shape[1], second.sequences.shape[1] - 1):
+        logits.append(forward_with(model, second.sequences[:, t : t + 1], ref).logits[:, -1])
+    got, exact = torch.cat(second.logits), torch.cat(logits)
+    rms = (got - exact).pow(2).mean().sqrt().item()
+    high = VALUE_ERROR[value_format][1]
+    assert 0 < rms <= 2 * high * exact.std().item(), rms  # > 0: the decoded values were really used
 
 
 def test_memory_report_counts_quantised_host_bytes():
@@ -249,3 +281,10 @@ def test_unknown_value_format_is_refused(bad):
     model = make_tiny_model("llama", seed=7)
     with pytest.raises(ValueError, match="value_format"):
         ShadowKVCache(model, value_format=bad)
+
+
+def test_higgs4_needs_a_power_of_two_head_dim():
+    model = make_tiny_model("llama", seed=7, head_dim=24, hidden_size=96)
+    with pytest.raises(ValueError, match="value_format='higgs4' needs a power-of-two head dim.*this model's is 24"):
+        ShadowKVCache(model, value_format="higgs4")
+    ShadowKVCache(model, value_format="fp8")  # fp8 takes any head dim

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 __all__ = ["ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
 
 # How the host value store encodes values (value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
-VALUE_FORMATS = ("native", "fp8")
+VALUE_FORMATS = ("native", "fp8", "higgs4")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
 _RANK_SHARE = 0.15625  # 160 / 1024

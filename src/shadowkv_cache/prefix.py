@@ -420,10 +420,11 @@ def _check_config(
 def _check_value_codec(meta: dict, codec, path: Path) -> None:
     """The host values decode only with the codec that encoded them (its grid, for HIGGS)."""
     saved = meta.get("value_codec", {"name": "native", "head_dim": codec.head_dim})
-    if saved != codec.identity():
+    if not isinstance(saved, dict) or not codec.matches(saved):
+        shown = {k: v for k, v in saved.items() if k != "grid"} if isinstance(saved, dict) else saved
         raise PrefixCacheError(
-            f"{path} stores values encoded as {saved}, but this shadowkv_cache decodes {codec.name} values as "
-            f"{codec.identity()}; prefill the document again with this version."
+            f"{path} stores values encoded as {shown} (grid not shown), which this shadowkv_cache's {codec.name} "
+            "codec does not decode (another grid, rotation or head dim); prefill the document again."
         )
 
 

@@ -97,6 +97,7 @@ class HostValueStore:
         store = cls(data, torch.arange(payload.shape[0]), host_scales, codec)
         if payload.is_cuda:  # made now, so the first decode step does not copy it (a host synchronisation)
             store._device_row_map = torch.arange(payload.shape[0], device=payload.device)
+            codec.prepare(payload.device)
         return store
 
     @property

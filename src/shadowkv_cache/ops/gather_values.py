@@ -22,6 +22,7 @@ from ..value_store import HostValueStore
 __all__ = ["gather_values", "gather_values_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in (c=8, D=128 needs 4 KiB)
 
 
 def gather_values_reference(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, store: HostValueStore) -> None:
@@ -76,27 +77,35 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
         return
     scales = store.scales
     scale_item = scales.element_size()
-    out_bytes = c * dim * values.element_size()
-    scale_ptr = store.scales_pointer()
-    # 16 codes per 16-byte load; each load stays within one vector when D is a multiple of 16.
-    vec16 = dim % 16 == 0 and all(
-        x % 16 == 0 for x in (host, row_stride, head_stride, chunk_bytes, values.data_ptr(), out_bytes)
-    )
+    # 16 codes per 16-byte load. fp8 decodes each load into 16 outputs of one vector (D a multiple of 16)
+    # and writes them with 16-byte stores; higgs4 decodes into shared memory first.
+    aligned = [host, row_stride, head_stride, chunk_bytes]
+    if store.codec.name == "fp8":
+        aligned += [values.data_ptr(), c * dim * values.element_size(), dim]
+    vec16 = all(x % 16 == 0 for x in aligned)
+    args = [
+        *common,
+        (store.scales_pointer(), ctypes.c_void_p),
+        (scales.stride(0) * scale_item, ctypes.c_longlong),
+        (scales.stride(1) * scale_item, ctypes.c_longlong),
+        (c, ctypes.c_int),
+        (dim, ctypes.c_int),
+        (int(vec16), ctypes.c_int),
+    ]
+    if store.codec.name == "higgs4":
+        args += list(store.codec.tables(values.device))
     kernels.launch(
         f"gather_values_{store.codec.name}_{_KERNEL_DTYPES[values.dtype]}",
         grid=(num_slots, heads, batch),
         block=(128, 1, 1),
-        args=[
-            *common,
-            (scale_ptr, ctypes.c_void_p),
-            (scales.stride(0) * scale_item, ctypes.c_longlong),
-            (scales.stride(1) * scale_item, ctypes.c_longlong),
-            (c, ctypes.c_int),
-            (dim, ctypes.c_int),
-            (int(vec16), ctypes.c_int),
-        ],
-        shared_bytes=c * 4,
+        args=args,
+        shared_bytes=_shared_bytes(store.codec.name, c, dim),
     )
+
+
+def _shared_bytes(name: str, c: int, dim: int) -> int:
+    """fp8: the block's `c` scales; higgs4: its `c*D` coordinates (transformed in place) and `c` norms."""
+    return 4 * c if name == "fp8" else 4 * (c * dim + c)
 
 
 def _kernel_fits(values: torch.Tensor, store: HostValueStore) -> bool:
@@ -109,8 +118,9 @@ def _kernel_fits(values: torch.Tensor, store: HostValueStore) -> bool:
     if store.codec.name == "native":
         return data.dtype == values.dtype
     return (
-        store.codec.name == "fp8"
+        store.codec.name in ("fp8", "higgs4")
         and values.dtype in _KERNEL_DTYPES
         and scales.is_pinned()
         and scales.stride()[2:] == (c, 1)
+        and _shared_bytes(store.codec.name, c, values.shape[-1]) <= _SHARED_LIMIT
     )
