@@ -74,13 +74,15 @@ class HostValueStore:
 
         Pinned stores come from the process-wide `pinned_pool()`, which pins once and reuses blocks across
         caches and requests (pinning fresh memory is slow). Quantised formats encode on the values' device,
-        one row at a time, so the temporaries stay one row's size.
+        one (row, head) at a time, so the float32 temporaries stay that size (64 MiB at 128K tokens, D=128).
         """
         codec = value_codec(value_format, values.shape[-1])
         if codec.scale_dtype is None:
             return cls._adopt(values, None, codec, pin)
-        pieces = [codec.encode(row) for row in values.split(1)] or [codec.encode(values)]
-        payload, scales = torch.cat([p for p, _ in pieces]), torch.cat([s for _, s in pieces])
+        heads = values.flatten(0, 1)  # [B*Hkv, C, c, D]
+        pieces = [codec.encode(head) for head in heads.split(1)] or [codec.encode(heads)]
+        payload = torch.cat([p for p, _ in pieces]).view(*values.shape[:-1], codec.payload_dim)
+        scales = torch.cat([s for _, s in pieces]).view(values.shape[:-1])
         return cls._adopt(payload, scales, codec, pin)
 
     @classmethod
