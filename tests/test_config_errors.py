@@ -42,6 +42,7 @@ BAD_VALUES = [
     ({"outlier_chunks": 1.5}, "outlier_chunks"),
     ({"min_compress_len": 0}, "min_compress_len"),
     ({"pin_memory": "yes"}, "pin_memory"),
+    ({"value_format": "int4"}, "value_format"),
 ]
 
 

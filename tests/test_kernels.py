@@ -147,15 +147,64 @@ def test_gather_values_kernel_matches_twin(dtype, rows, heads, slots, chunks, c,
     assert torch.equal(got, ref)
 
 
-def compressed_cuda_cache(arch="llama", dtype=torch.float32):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 5), (4, 2, 77, 77, 8, 64)]
+)
+def test_gather_values_fp8_kernel_matches_twin(dtype, rows, heads, slots, chunks, c, dim):
+    """The kernel decodes as `Fp8Codec.decode` (one fp32 product, one rounding): equal bit for bit."""
+    data = torch.randn(rows, heads, chunks, c, dim) * torch.exp(torch.randn(rows, heads, chunks, c, 1) * 2)
+    data[0, 0, 0] = 0
+    store = HostValueStore.offload(data.to(dtype).cuda(), pin=True, value_format="fp8")
+    store = store.select_rows(torch.tensor([rows - 1, 0, rows - 1]))
+    assert store.data.is_pinned() and store.scales.is_pinned()
+    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
+    ids[0, 0, 0] = 0  # the all-zero chunk
+    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
+    miss[0, 0, 0] = True
+    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
+    ref = got.clone()
+    gather_values(got, ids, miss, store)
+    gather_values_reference(ref, ids, miss, store)
+    torch.cuda.synchronize()
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 16), (4, 2, 77, 77, 8, 64)]
+)
+def test_gather_values_higgs4_kernel_matches_twin(dtype, rows, heads, slots, chunks, c, dim):
+    """The kernel's Walsh-Hadamard transform sums in another order than the twin's matmul: equal to round-off."""
+    data = torch.randn(rows, heads, chunks, c, dim) * torch.exp(torch.randn(rows, heads, chunks, c, 1) * 2)
+    data[0, 0, 0] = 0
+    store = HostValueStore.offload(data.to(dtype).cuda(), pin=True, value_format="higgs4")
+    store = store.select_rows(torch.tensor([rows - 1, 0, rows - 1]))
+    assert store.data.is_pinned() and store.scales.is_pinned()
+    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
+    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
+    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
+    ref = got.clone()
+    gather_values(got, ids, miss, store)
+    gather_values_reference(ref, ids, miss, store)
+    torch.cuda.synchronize()
+    assert torch.equal(got[~miss], ref[~miss])  # hits untouched
+    # Per vector: off by float32 round-off of a D-term sum, then at most one step of the output dtype.
+    scale = ref.float().abs().amax(-1, keepdim=True)
+    eps = max(torch.finfo(dtype).eps, 1e-5)
+    assert bool(((got.float() - ref.float()).abs() <= eps * scale).all())
+
+
+def compressed_cuda_cache(arch="llama", dtype=torch.float32, **changes):
     model = make_tiny_model(arch).to(CUDA, dtype)
-    cache = ShadowKVCache(model, **small_budget_overrides())
+    cache = ShadowKVCache(model, **small_budget_overrides(**changes))
     forward_with(model, random_prompt(301).to(CUDA), cache)
     return model, cache
 
 
-def test_decode_step_does_not_synchronise_with_the_host():
-    model, cache = compressed_cuda_cache()
+@pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])
+def test_decode_step_does_not_synchronise_with_the_host(value_format):
+    model, cache = compressed_cuda_cache(value_format=value_format)
     layer = cache.layers[0]
     assert layer.is_compressed
     heads, dim = model.config.num_attention_heads, model.config.head_dim
@@ -174,14 +223,16 @@ def test_decode_step_does_not_synchronise_with_the_host():
     assert int(layer.temporal.lookups) > 0
 
 
+@pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_kernel_path_matches_twin_path_end_to_end(arch, monkeypatch):
+def test_kernel_path_matches_twin_path_end_to_end(arch, value_format, monkeypatch):
     from helpers import generate_with
 
     ids = random_prompt(301).to(CUDA)
     model = make_tiny_model(arch).to(CUDA)
-    with_kernels = generate_with(model, ids, ShadowKVCache(model, **small_budget_overrides()))
+    overrides = small_budget_overrides(value_format=value_format)
+    with_kernels = generate_with(model, ids, ShadowKVCache(model, **overrides))
     monkeypatch.setenv("SHADOWKV_KERNELS", "0")
-    twins = generate_with(model, ids, ShadowKVCache(model, **small_budget_overrides()))
+    twins = generate_with(model, ids, ShadowKVCache(model, **overrides))
     assert torch.equal(with_kernels.sequences, twins.sequences)
     torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)

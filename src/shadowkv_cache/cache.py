@@ -17,6 +17,7 @@ from .config import ShadowKVConfig
 from .layer import ShadowKVLayer
 from .memory_report import LayerMemory, MemoryReport
 from .policies import LandmarkTopK, SelectionPolicy
+from .value_codecs import check_value_format
 
 __all__ = ["ShadowKVCache"]
 
@@ -70,6 +71,7 @@ class ShadowKVCache(Cache):
             text_config.hidden_size // text_config.num_attention_heads
         )
         config.validate(key_dim=text_config.num_key_value_heads * head_dim)
+        check_value_format(config.value_format, head_dim)
         if policy is not None and not isinstance(policy, SelectionPolicy):
             raise TypeError(f"policy must be a SelectionPolicy, got {type(policy).__name__}.")
 

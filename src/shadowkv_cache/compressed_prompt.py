@@ -44,7 +44,7 @@ class CompressedPrompt:
     local_keys: torch.Tensor  # [B, Hkv, W, D] post-RoPE, right-aligned
     local_values: torch.Tensor  # [B, Hkv, W, D]
     local_valid: torch.Tensor  # [B, W] bool
-    values: HostValueStore  # [rows, Hkv, C, c, D] in host memory
+    values: HostValueStore  # [rows, Hkv, C, c, D] in host memory, encoded in config.value_format
     chunk_size: int
     slots: int  # S: prompt length as `generate` counts it, pads included
     max_budget_chunks: int  # K = max over rows of budget_chunks
@@ -187,7 +187,9 @@ def compress_prompt(
         local_keys=local_keys,
         local_values=local_values,
         local_valid=local_valid,
-        values=HostValueStore.offload(chunk_values, pin=config.pin_memory and device.type == "cuda"),
+        values=HostValueStore.offload(
+            chunk_values, pin=config.pin_memory and device.type == "cuda", value_format=config.value_format
+        ),
         chunk_size=c,
         slots=slots,
         max_budget_chunks=max(s.budget_chunks for s in sizes),

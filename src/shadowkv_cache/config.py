@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ResolvedSizes", "ShadowKVConfig"]
+__all__ = ["ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
+
+# How the host value store encodes values (value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
+VALUE_FORMATS = ("native", "fp8", "higgs4")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
 _RANK_SHARE = 0.15625  # 160 / 1024
@@ -55,6 +58,11 @@ class ShadowKVConfig:
             On CUDA with the kernels, capture each layer's one-token decode step as a CUDA graph after its first
             eager step and replay it (one launch instead of ~40 per layer and step). Captured again when rows
             are reordered or the buffer of new tokens grows.
+        value_format (`str`, *optional*, defaults to `"native"`):
+            How the offloaded values are stored in host memory: `"native"` in the KV dtype (16 bits per value in
+            bf16), `"fp8"` as float8 e4m3 with one bf16 scale per value vector (`8 + 16/D` bits), `"higgs4"`
+            ~4-bit HIGGS codes (2-D grid, `4 + 16/D` bits). Fetched values are decoded to the KV dtype; the
+            outlier, local and generated values stay exact. See `value_codecs.py`.
 
     >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
     8
@@ -69,6 +77,7 @@ class ShadowKVConfig:
     dense_multi_token_steps: bool = True
     pin_memory: bool = True
     cuda_graphs: bool = True
+    value_format: str = "native"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +127,8 @@ class ShadowKVConfig:
             raise bad("pin_memory", self.pin_memory, "use True or False.")
         if not isinstance(self.cuda_graphs, bool):
             raise bad("cuda_graphs", self.cuda_graphs, "use True or False.")
+        if self.value_format not in VALUE_FORMATS:
+            raise bad("value_format", self.value_format, f"use one of {', '.join(map(repr, VALUE_FORMATS))}.")
 
     def resolve(self, num_tokens: int, key_dim: int) -> ResolvedSizes:
         """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`."""

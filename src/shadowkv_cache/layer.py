@@ -278,12 +278,9 @@ class ShadowKVLayer(DynamicLayer):
         _, heads, tokens, dim = pre_rope.shape
         keys = self.rope(pre_rope.reshape(rows * heads, tokens, dim), positions.repeat_interleave(heads, dim=0))
         keys = keys.view(rows, heads, tokens, dim).to(self.keys.dtype)
-        store = prompt.values
-        # A basic index is a view of the (pinned) store; an index tensor would first copy the document on the host.
-        host = store.data[int(store.row_map[0])][None] if rows == 1 else store.data[store.row_map[:rows]]
-        values = host.flatten(2, 3).to(keys.device, non_blocking=True)
+        values = prompt.values.read_rows(rows, keys.device, keys.dtype)  # decoded from the store's format
         valid = prompt.selectable.repeat_interleave(prompt.chunk_size, dim=-1)
-        return keys.expand(batch, -1, -1, -1), values.to(keys.dtype).expand(batch, -1, -1, -1), valid
+        return keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), valid
 
     # -- accounting ---------------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from torch import nn
 from .compressed_prompt import CompressedPrompt
 from .config import ShadowKVConfig
 from .policies.base import SelectionPolicy
+from .value_codecs import value_codec
 from .value_store import HostValueStore
 
 __all__ = [
@@ -66,6 +67,8 @@ _ST_DTYPES = {
     torch.float16: "F16",
     torch.int64: "I64",
     torch.bool: "BOOL",
+    torch.uint8: "U8",  # 4-bit value codes, two per byte
+    torch.float8_e4m3fn: "F8_E4M3",  # fp8 value codes
 }
 _DTYPES_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _ST_DTYPES}
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one stored tensor
@@ -164,6 +167,7 @@ def _expected_tensors(dims, config: ShadowKVConfig, length: int, dtype, policy_s
             continue
         c, chunks, rank = config.chunk_size, sizes.num_chunks, sizes.rank
         out, local = sizes.outliers * c, sizes.local
+        codec = value_codec(config.value_format, dim)
         specs |= {
             p + "a": ((1, chunks * c, rank), dtype),
             p + "b": ((1, rank, heads, dim), dtype),
@@ -176,8 +180,10 @@ def _expected_tensors(dims, config: ShadowKVConfig, length: int, dtype, policy_s
             p + "local_keys": ((1, heads, local, dim), dtype),
             p + "local_values": ((1, heads, local, dim), dtype),
             p + "local_valid": ((1, local), torch.bool),
-            p + "host_values": ((1, heads, chunks, c, dim), dtype),
+            p + "host_values": ((1, heads, chunks, c, codec.payload_dim), codec.payload_dtype or dtype),
         }
+        if codec.scale_dtype is not None:
+            specs[p + "host_value_scales"] = ((1, heads, chunks, c), codec.scale_dtype)
         specs |= {f"{p}policy.{name}": spec for name, spec in policy_specs.items()}
     return specs
 
@@ -188,7 +194,10 @@ def _layer_tensors(i: int, prompt: CompressedPrompt | None, keys: torch.Tensor, 
         return {p + "keys": keys, p + "values": values}
     out = {p + name: getattr(prompt, name) for name in CompressedPrompt._ROW_FIELDS}
     out |= {f"{p}policy.{name}": t for name, t in prompt.policy_state.items()}
-    out[p + "host_values"] = prompt.values.data[prompt.values.row_map[:1]]
+    store = prompt.values  # saved as stored (encoded), so a load decodes exactly what this cache decodes
+    out[p + "host_values"] = store.data[store.row_map[:1]]
+    if store.scales is not None:
+        out[p + "host_value_scales"] = store.scales[store.row_map[:1]]
     return out
 
 
@@ -269,6 +278,7 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
         "prefix_length": length,
         "token_ids_sha256": token_ids_sha256(token_ids),
         "kv_dtype": str(dtype).removeprefix("torch."),
+        "value_codec": value_codec(config.value_format, dims[2]).identity(),
         "layers": ["compressed" if p is not None else "exact" for p, _, _ in layers],
     }
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -386,6 +396,7 @@ def _check_config(
 ) -> tuple[ShadowKVConfig, ShadowKVConfig]:
     """(the config the file was made with, the config asked for), after checking they shaped the same state."""
     fields = _field(meta, "shadowkv_config", dict, path)
+    fields = {"value_format": "native", **fields}  # files written before value formats hold native values
     if sorted(fields) != sorted(ShadowKVConfig.field_names()):
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata has fields {sorted(fields)} (damaged?).")
     try:
@@ -404,6 +415,17 @@ def _check_config(
             f"{', '.join(DECODE_TIME_FIELDS)} may change at load; other settings need a new prefill."
         )
     return saved, wanted
+
+
+def _check_value_codec(meta: dict, codec, path: Path) -> None:
+    """The host values decode only with the codec that encoded them (its grid, for HIGGS)."""
+    saved = meta.get("value_codec", {"name": "native", "head_dim": codec.head_dim})
+    if not isinstance(saved, dict) or not codec.matches(saved):
+        shown = {k: v for k, v in saved.items() if k != "grid"} if isinstance(saved, dict) else saved
+        raise PrefixCacheError(
+            f"{path} stores values encoded as {shown} (grid not shown), which this shadowkv_cache's {codec.name} "
+            "codec does not decode (another grid, rotation or head dim); prefill the document again."
+        )
 
 
 def _policy_specs(meta: dict, policy: SelectionPolicy, path: Path) -> dict[str, Spec]:
@@ -454,6 +476,7 @@ def read_prefix(
         raise PrefixCacheError(f"{path}: prefix length {length} and layer kinds {kinds[:3]}... do not fit (damaged?).")
     expected = _expected_tensors(dims, config, length, dtype, _policy_specs(meta, policy, path))
     _check_specs(found, expected, str(path))
+    _check_value_codec(meta, value_codec(config.value_format, dims[2]), path)
 
     _, devices = _kv_dtype_and_devices(model, dims[0])
     try:
@@ -489,6 +512,7 @@ def _read_layer(f, i: int, device: torch.device, config: ShadowKVConfig, sizes, 
     if not structure_ok:
         raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")
     t["budget_chunks"] = torch.tensor([budget])
+    codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
     prompt = CompressedPrompt(
         **{name: v.to(device, copy=True) for name, v in t.items()},
         policy_state={
@@ -496,7 +520,12 @@ def _read_layer(f, i: int, device: torch.device, config: ShadowKVConfig, sizes, 
             for k in f.keys()
             if k.startswith(p + "policy.")
         },
-        values=HostValueStore.offload(f.get_tensor(p + "host_values"), pin=config.pin_memory and device.type == "cuda"),
+        values=HostValueStore.from_encoded(
+            f.get_tensor(p + "host_values"),
+            f.get_tensor(p + "host_value_scales") if codec.scale_dtype is not None else None,
+            codec,
+            pin=config.pin_memory and device.type == "cuda",
+        ),
         chunk_size=config.chunk_size,
         slots=sizes.num_chunks * config.chunk_size + sizes.local,
         max_budget_chunks=budget,

@@ -1,10 +1,13 @@
 """Host-memory store of the offloaded values, chunk-major (ShadowKV §3.3).
 
-Legend: R stored rows, B cache rows, Hkv KV heads, C chunks, c chunk size, D head dim, M fetched chunks.
+Legend: R stored rows, B cache rows, Hkv KV heads, C chunks, c chunk size, D head dim, P payload elements
+per value vector (D, or D/2 for 4-bit codes), M fetched chunks.
 
-Layout `[R, Hkv, C, c, D]`: one (head, chunk) is one contiguous block (2 KiB for c=8, D=128 in bf16), the
-unit a fetch moves. Cache rows reach stored rows through `row_map`, so reordering or repeating rows (beam
-search, several questions over one document) never copies values.
+Layout `[R, Hkv, C, c, P]`: one (head, chunk) is one contiguous block (2 KiB for c=8, D=128 in bf16, 1 KiB
+in fp8), the unit a fetch moves; a quantised format keeps its per-vector scales `[R, Hkv, C, c]` in the same
+order, so a fetch is one block plus its `c` scales. The encoding is the store's codec (`value_codecs.py`).
+Cache rows reach stored rows through `row_map`, so reordering or repeating rows (beam search, several
+questions over one document) never copies values.
 """
 
 from __future__ import annotations
@@ -12,56 +15,98 @@ from __future__ import annotations
 import torch
 
 from .pinned_pool import pinned_pool
+from .value_codecs import NativeCodec, ValueCodec, value_codec
 
 __all__ = ["HostValueStore"]
+
+
+def _to_host(tensor: torch.Tensor, pin: bool, what: str) -> torch.Tensor:
+    """A host copy of `tensor`, pinned from the process-wide pool if `pin`."""
+    if tensor.device.type == "cpu" and not pin:
+        return tensor.contiguous().clone()
+    if not pin:
+        return tensor.to("cpu")
+    try:
+        data = pinned_pool().allocate(tensor.shape, tensor.dtype)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"Could not pin {tensor.numel() * tensor.element_size() / 2**30:.2f} GiB of host memory for the "
+            f"ShadowKV {what}. Free host memory, lower the batch size, store values as fp8/higgs4 "
+            "(value_format), or pass pin_memory=False (slower fetches)."
+        ) from err
+    # A blocking copy: the store is read by host-side gathers right after prefill.
+    data.copy_(tensor)
+    return data
 
 
 class HostValueStore:
     """Values of one layer's compressed chunks in host memory.
 
     Args:
-        data (`torch.Tensor`): `[R, Hkv, C, c, D]` on the CPU (pinned when the model runs on CUDA).
+        data (`torch.Tensor`): `[R, Hkv, C, c, P]` the payload on the CPU (pinned when the model runs on CUDA):
+            the values themselves for the native format, codes otherwise.
         row_map (`torch.Tensor`): `[B]` int64, the stored row behind each cache row.
+        scales (`torch.Tensor`, *optional*): `[R, Hkv, C, c]` one scale per value vector (quantised formats).
+        codec (`ValueCodec`, *optional*): how `data` and `scales` decode; the native format by default.
     """
 
-    def __init__(self, data: torch.Tensor, row_map: torch.Tensor):
-        if data.device.type != "cpu":
+    def __init__(
+        self,
+        data: torch.Tensor,
+        row_map: torch.Tensor,
+        scales: torch.Tensor | None = None,
+        codec: ValueCodec | None = None,
+    ):
+        codec = codec or NativeCodec(data.shape[-1])
+        if data.device.type != "cpu" or (scales is not None and scales.device.type != "cpu"):
             raise ValueError(f"HostValueStore holds host memory; got a tensor on {data.device}")
-        self.data = data
-        self.row_map = row_map
+        if (scales is None) != (codec.scale_dtype is None):
+            raise ValueError(f"The {codec.name} value format {'needs' if scales is None else 'has no'} scales.")
+        self.data, self.row_map, self.scales, self.codec = data, row_map, scales, codec
         self._device_pointer: int | None = None
+        self._scales_pointer: int | None = None
         self._device_row_map: torch.Tensor | None = None
 
     @classmethod
-    def offload(cls, values: torch.Tensor, pin: bool) -> HostValueStore:
-        """Copy `values` (`[B, Hkv, C, c, D]`, any device) to host memory, pinned if `pin`.
+    def offload(cls, values: torch.Tensor, pin: bool, value_format: str = "native") -> HostValueStore:
+        """Encode `values` (`[B, Hkv, C, c, D]`, any device) in `value_format` and copy them to host memory,
+        pinned if `pin`.
 
         Pinned stores come from the process-wide `pinned_pool()`, which pins once and reuses blocks across
-        caches and requests (pinning fresh memory is slow).
+        caches and requests (pinning fresh memory is slow). Quantised formats encode on the values' device,
+        one (row, head) at a time, so the float32 temporaries stay that size (64 MiB at 128K tokens, D=128).
         """
-        if values.device.type == "cpu" and not pin:
-            data = values.contiguous().clone()
-        elif not pin:
-            data = values.to("cpu")
-        else:
-            try:
-                data = pinned_pool().allocate(values.shape, values.dtype)
-            except RuntimeError as err:
-                raise RuntimeError(
-                    f"Could not pin {values.numel() * values.element_size() / 2**30:.2f} GiB of host memory for "
-                    "the ShadowKV value store. Free host memory, lower the batch size, or pass pin_memory=False "
-                    "(slower fetches)."
-                ) from err
-            # A blocking copy: the store is read by host-side gathers right after prefill.
-            data.copy_(values)
-        store = cls(data, torch.arange(values.shape[0]))
-        if values.is_cuda:  # made now, so the first decode step does not copy it (a host synchronisation)
-            store._device_row_map = torch.arange(values.shape[0], device=values.device)
+        codec = value_codec(value_format, values.shape[-1])
+        if codec.scale_dtype is None:
+            return cls._adopt(values, None, codec, pin)
+        heads = values.flatten(0, 1)  # [B*Hkv, C, c, D]
+        pieces = [codec.encode(head) for head in heads.split(1)] or [codec.encode(heads)]
+        payload = torch.cat([p for p, _ in pieces]).view(*values.shape[:-1], codec.payload_dim)
+        scales = torch.cat([s for _, s in pieces]).view(values.shape[:-1])
+        return cls._adopt(payload, scales, codec, pin)
+
+    @classmethod
+    def from_encoded(
+        cls, payload: torch.Tensor, scales: torch.Tensor | None, codec: ValueCodec, pin: bool
+    ) -> HostValueStore:
+        """A store of an already encoded `payload` (`[R, Hkv, C, c, P]`) and `scales` (a loaded prefix)."""
+        return cls._adopt(payload, scales, codec, pin)
+
+    @classmethod
+    def _adopt(cls, payload: torch.Tensor, scales: torch.Tensor | None, codec: ValueCodec, pin: bool):
+        data = _to_host(payload, pin, "value store")
+        host_scales = _to_host(scales, pin, "value scales") if scales is not None else None
+        store = cls(data, torch.arange(payload.shape[0]), host_scales, codec)
+        if payload.is_cuda:  # made now, so the first decode step does not copy it (a host synchronisation)
+            store._device_row_map = torch.arange(payload.shape[0], device=payload.device)
+            codec.prepare(payload.device)
         return store
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Host bytes at their stored size: payload plus scales."""
+        scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
+        return self.data.numel() * self.data.element_size() + scales
 
     def device_pointer(self) -> int:
         """The device-visible address of the pinned `data` (for zero-copy kernels; needs cuda-python)."""
@@ -71,6 +116,14 @@ class HostValueStore:
             self._device_pointer = host_device_pointer(self.data)
         return self._device_pointer
 
+    def scales_pointer(self) -> int:
+        """The device-visible address of the pinned `scales`."""
+        if self._scales_pointer is None:
+            from .kernel_loader import host_device_pointer
+
+            self._scales_pointer = host_device_pointer(self.scales)
+        return self._scales_pointer
+
     def device_row_map(self, device: torch.device) -> torch.Tensor:
         """`row_map` on `device`, copied once."""
         if self._device_row_map is None or self._device_row_map.device != device:
@@ -79,19 +132,45 @@ class HostValueStore:
 
     def select_rows(self, index: torch.Tensor) -> HostValueStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        out = HostValueStore(self.data, self.row_map[index.to("cpu")])
+        out = HostValueStore(self.data, self.row_map[index.to("cpu")], self.scales, self.codec)
         if self._device_row_map is not None:
             out._device_row_map = self._device_row_map[index.to(self._device_row_map.device)]
-        out._device_pointer = self._device_pointer
+        out._device_pointer, out._scales_pointer = self._device_pointer, self._scales_pointer
         return out
 
     def gather(
-        self, rows: torch.Tensor, heads: torch.Tensor, chunks: torch.Tensor, device: torch.device
+        self,
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        chunks: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Value chunks `[M, c, D]` on `device` for cache rows, heads and chunk ids (each `[M]`)."""
-        # PyTorch path: index on the host, then one copy. The CUDA kernel path reads pinned memory in place.
+        """Decoded value chunks `[M, c, D]` on `device`, in `dtype` (the payload's by default), for cache rows,
+        heads and chunk ids (each `[M]`)."""
+        # PyTorch path: index on the host, copy the encoded blocks, decode there. The kernels read in place.
         rows, heads, chunks = rows.to("cpu"), heads.to("cpu"), chunks.to("cpu")
-        block = self.data[self.row_map[rows], heads, chunks]
-        if device.type == "cuda":
-            return block.pin_memory().to(device, non_blocking=True)
-        return block.to(device)
+        index = (self.row_map[rows], heads, chunks)
+        payload = _to_device(self.data[index], device)
+        scales = _to_device(self.scales[index], device) if self.scales is not None else None
+        return self.codec.decode(payload, scales, dtype or self.data.dtype)
+
+    def read_rows(self, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Decoded values `[rows, Hkv, C*c, D]` of cache rows `0..rows-1` on `device` (a whole-prompt step).
+
+        One row is read as a view of the (pinned) store; an index tensor would first copy it on the host.
+        The encoded payload crosses to the device, which decodes it.
+        """
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[int(self.row_map[0])][None] if rows == 1 else t[self.row_map[:rows]]
+
+        payload = take(self.data).to(device, non_blocking=True)
+        scales = take(self.scales).to(device, non_blocking=True) if self.scales is not None else None
+        return self.codec.decode(payload, scales, dtype).flatten(2, 3)
+
+
+def _to_device(block: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return block.pin_memory().to(device, non_blocking=True)
+    return block.to(device)
