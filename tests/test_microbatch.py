@@ -172,6 +172,32 @@ def test_only_compressed_rows_stay_between_micro_batches(monkeypatch):
     assert seen == [[], [(True, 0, None)] * 2, [(True, 0, None)] * 4]
 
 
+def test_value_stores_join_into_reused_pinned_memory(monkeypatch):
+    """Stores of different chunk counts join row by row (reordered rows too); padding chunks are zero even in a
+    reused pool block that held other data (a fake pin: the pool's bookkeeping, no CUDA)."""
+    from shadowkv_cache import value_store
+    from shadowkv_cache.pinned_pool import PinnedPool
+    from shadowkv_cache.value_store import HostValueStore
+
+    pool = PinnedPool(register=lambda t: None, unregister=lambda t: None)
+    monkeypatch.setattr(value_store, "pinned_pool", lambda: pool)
+    gen = torch.Generator().manual_seed(0)
+    first = HostValueStore(torch.randn((2, 2, 5, 4, 3), generator=gen), torch.arange(2))
+    second = HostValueStore(torch.randn((2, 2, 3, 4, 3), generator=gen), torch.tensor([1, 1, 0]))  # repeated rows
+    dirty = pool.allocate((5, 2, 5, 4, 3), torch.float32)
+    dirty.fill_(float("nan"))
+    del dirty  # its block returns to the pool, still full of NaN
+
+    joined = HostValueStore.concat([first, second], pin=True)
+    assert pool.pinned_bytes == pool.used_bytes == 2 << 20  # the dirty block, reused
+    assert joined.data.shape == (5, 2, 5, 4, 3)
+    assert torch.equal(joined.row_map, torch.arange(5))
+    assert torch.equal(joined.data[:2], first.data)
+    for row, stored in enumerate([1, 1, 0], start=2):
+        assert torch.equal(joined.data[row, :, :3], second.data[stored])
+        assert torch.equal(joined.data[row, :, 3:], torch.zeros((2, 2, 4, 3)))
+
+
 def count_forwards(model) -> list:
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -188,6 +214,7 @@ def count_forwards(model) -> list:
         ({"right_padded": True}, "left padding"),
         ({"input_ids": torch.ones((2, 1), dtype=torch.long)}, "too short"),
         ({"input_ids": torch.ones(5, dtype=torch.long)}, r"\[batch, length\] integer tensor"),
+        ({"one_token_row": True}, "fewer than two real tokens"),
     ],
 )
 def test_bad_input_raises_before_the_model_runs(kwargs, match):
@@ -195,6 +222,9 @@ def test_bad_input_raises_before_the_model_runs(kwargs, match):
     ids, mask = batch((120, 90))
     if kwargs.pop("right_padded", False):
         mask = mask.flip(-1)
+    if kwargs.pop("one_token_row", False):
+        mask[1] = 0
+        mask[1, -1] = 1
     args = {"input_ids": ids, "attention_mask": mask, **kwargs}
     calls, handle = count_forwards(model)
     try:
@@ -247,3 +277,37 @@ def test_smollm2_two_long_rows_one_at_a_time(smollm2):
         out = model.generate(ids, past_key_values=cache, **kwargs)
         plain = model.generate(ids, past_key_values=ShadowKVCache(model, **overrides), **kwargs)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_pinned_values_and_lower_peak_memory():
+    """On CUDA: the joined store is pinned with its row map on the device, decoding equals a batched prefill,
+    and one row at a time peaks lower than the batched prefill."""
+    from helpers import make_tiny_model
+
+    model = make_tiny_model("llama", max_position_embeddings=8192).cuda()
+    overrides = small_budget_overrides()
+    ids, mask = batch((3000, 2500, 40, 2900), seed=13)
+
+    def peak(fill):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cache = fill()
+        torch.cuda.synchronize()
+        return cache, torch.cuda.max_memory_allocated() - base
+
+    cache, micro_peak = peak(lambda: ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **overrides))
+    ref_cache, batched_peak = peak(lambda: batched_prefill(model, ids.cuda(), mask.cuda(), **overrides))
+    print(f"peak prefill memory: {micro_peak / 2**20:.1f} MiB by rows, {batched_peak / 2**20:.1f} MiB batched")
+    assert micro_peak < batched_peak
+    for layer in cache.layers:
+        store = layer.prompt.values
+        assert store.data.is_pinned() and store.device_row_map(torch.device("cuda")).is_cuda
+        assert layer.prompt.a.is_cuda and layer.temporal.keys.is_cuda
+
+    out = generate_with(model, ids.cuda(), cache, attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)
+    ref = generate_with(model, ids.cuda(), ref_cache, attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, atol=1e-4)

@@ -61,6 +61,12 @@ def check_batch(
                 "prefill_batch needs left padding (tokenizer.padding_side = 'left'): this attention_mask has pads "
                 "after or between real tokens."
             )
+    short = (mask.sum(dim=-1) < 2).nonzero().flatten().tolist()
+    if short:
+        raise ValueError(
+            f"Row(s) {short} of this batch hold fewer than two real tokens: prefill_batch prefills all but the last "
+            "token of each row. Generate such rows apart, or with a plain ShadowKVCache."
+        )
     return input_ids.to("cpu", torch.int64), mask
 
 
