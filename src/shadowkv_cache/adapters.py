@@ -189,7 +189,7 @@ def _checking_prefix(original: Callable) -> Callable:
         input_ids = args[0] if args else kwargs.get("input_ids")
         check = getattr(cache, "check_prefix_ids", None)
         if check is not None and isinstance(input_ids, torch.Tensor):
-            check(input_ids)
+            check(input_ids, kwargs.get("attention_mask"))
         return original(*args, **kwargs)
 
     return prepare_inputs_for_generation

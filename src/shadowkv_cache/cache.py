@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from . import prefix
+from . import microbatch, prefix
 from .adapters import check_supported, patch_model
 from .config import ShadowKVConfig
 from .layer import ShadowKVLayer
@@ -83,6 +83,7 @@ class ShadowKVCache(Cache):
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
         self._prefix_checked = False
+        self._prefilled: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, P] ids and mask of prefill_batch
 
     @property
     def is_compileable(self) -> bool:
@@ -90,7 +91,7 @@ class ShadowKVCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self._prefix_ids, self._prefix_checked = None, False
+        self._prefix_ids, self._prefix_checked, self._prefilled = None, False, None
 
     # -- prefix reuse (format and checks in prefix.py) -------------------------------------------------------
 
@@ -110,6 +111,47 @@ class ShadowKVCache(Cache):
         ids = prefix.as_prefix_ids(input_ids)
         prefix.prefill(model, ids, cache, progress=progress)
         cache._prefix_ids = ids
+        return cache
+
+    @classmethod
+    def prefill_batch(
+        cls,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        micro_batch_size: int = 1,
+        config: ShadowKVConfig | None = None,
+        policy: SelectionPolicy | None = None,
+        progress: bool = False,
+        **overrides,
+    ) -> ShadowKVCache:
+        """A cache of B rows holding the left-padded batch `input_ids` (`[B, L]`) but its last token, prefilled
+        `micro_batch_size` rows at a time, for `generate` to decode together.
+
+        The device then holds one micro batch's prefill at a time (activations, one layer's full K/V) plus the
+        compressed rows so far, instead of the whole batch's prefill. Rows get exactly what a batched prefill of
+        `input_ids[:, :-1]` gives them. Pass `generate` the same `input_ids` and `attention_mask` (checked on its
+        first step): it feeds the last token as a one-token step. Sampling, streaming and stopping criteria work
+        as usual; beam search and `num_return_sequences > 1` do not (the cache has B rows).
+
+        Args:
+            input_ids (`torch.Tensor`): `[B, L]` token ids, left-padded, `L >= 2`.
+            attention_mask (`torch.Tensor`, *optional*): `[B, L]` 1 on real tokens, 0 on (left) pads.
+            micro_batch_size (`int`, *optional*, defaults to 1): rows per forward pass.
+            progress (`bool`): progress bars over rows and, within each micro batch, over layers.
+            config, policy, **overrides: as for `ShadowKVCache(model, ...)`.
+
+        >>> cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1)  # doctest: +SKIP
+        >>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        """
+        ids, mask = microbatch.check_batch(input_ids, attention_mask, micro_batch_size)
+        cache = cls(model, config, policy, **overrides)
+        ids, mask = ids[:, :-1], mask[:, :-1]
+        parts = microbatch.prefill_parts(
+            model, ids, mask, micro_batch_size, lambda: cls(model, cache.config, cache.policy), progress
+        )
+        microbatch.join_parts(cache, parts, mask, cache.config.pin_memory)
+        cache._prefilled = (ids, mask)
         return cache
 
     @property
@@ -183,14 +225,20 @@ class ShadowKVCache(Cache):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
         forked = copy.copy(self)
         forked.layers = [layer.fork(batch_size) for layer in self.layers]
-        forked._prefix_checked = False
+        forked._prefix_checked, forked._prefilled = False, None
         return forked
 
-    def check_prefix_ids(self, input_ids: torch.Tensor) -> None:
-        """Called with the full ids `generate` got: they must start with this cache's prefix (once per cache)."""
-        if self._prefix_ids is None or self._prefix_checked:
+    def check_prefix_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Called with the full ids (and mask) `generate` got: they must start with this cache's prefix, or with
+        the batch `prefill_batch` prefilled (once per cache)."""
+        if self._prefix_checked:
             return
-        prefix.check_prefix_ids(self._prefix_ids, input_ids, rows=self.layers[0].keys.shape[0])
+        if self._prefilled is not None:
+            microbatch.check_generate_ids(*self._prefilled, input_ids, attention_mask)
+        elif self._prefix_ids is not None:
+            prefix.check_prefix_ids(self._prefix_ids, input_ids, rows=self.layers[0].keys.shape[0])
+        else:
+            return
         self._prefix_checked = True
 
     def memory_report(self) -> MemoryReport:

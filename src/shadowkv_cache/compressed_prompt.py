@@ -21,7 +21,7 @@ from .low_rank import factorize_keys
 from .policies.base import SelectionPolicy
 from .value_store import HostValueStore
 
-__all__ = ["CompressedPrompt", "compress_prompt"]
+__all__ = ["CompressedPrompt", "compress_prompt", "local_only_prompt"]
 
 
 @dataclass
@@ -86,11 +86,97 @@ class CompressedPrompt:
         kept = {f.name: getattr(self, f.name) for f in fields(self)}
         return CompressedPrompt(**{**kept, **changes})
 
+    @classmethod
+    def concat(cls, prompts: list[CompressedPrompt], pin: bool) -> CompressedPrompt:
+        """One prompt whose rows are those of `prompts` in order (micro batches of one batch, same `slots`).
+
+        Each field is padded to the largest size among the parts (chunks `Tc`/`C`, rank `R`, outliers `O*c`,
+        local window `W`) with zeros and invalid slots, as `compress_prompt` pads rows of one batch: the result
+        equals compressing the whole batch at once. The local window is right-aligned, so it is padded on the
+        left; zero rank columns of `a` and rows of `b` add nothing to the keys. Host values are joined into
+        one store, pinned if `pin`. Policy state tensors hold chunks on dim 2 (`[B, Hkv, C, ...]`).
+        """
+        first = prompts[0]
+
+        def kind(p: CompressedPrompt) -> tuple:
+            return p.slots, p.chunk_size, sorted(p.policy_state)
+
+        odd = next((p for p in prompts if kind(p) != kind(first)), None)
+        if odd is not None:
+            raise ValueError(
+                "CompressedPrompt.concat needs prompts of one batch (same slots, chunk size and policy state "
+                f"names); got {kind(first)} and {kind(odd)}."
+            )
+        right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
+        changes = {
+            name: _stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name))
+            for name in cls._ROW_FIELDS
+        }
+        changes["policy_state"] = {k: _stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
+        changes["values"] = HostValueStore.concat([p.values for p in prompts], pin)
+        changes["max_budget_chunks"] = max(p.max_budget_chunks for p in prompts)
+        kept = {f.name: getattr(first, f.name) for f in fields(first)}
+        return cls(**{**kept, **changes})
+
     @property
     def device_nbytes(self) -> int:
         """Bytes held on the device; rows shared through a stride-0 view count once."""
         tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
         return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
+
+
+def _stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = None) -> torch.Tensor:
+    """Concatenate `parts` over dim 0, each zero-padded to the largest size on every other dim: at the end, or
+    at the start on `right_aligned_dim`. One allocation; parts may be stride-0 views over rows."""
+    first = parts[0]
+    shape = [sum(p.shape[0] for p in parts)] + [max(p.shape[d] for p in parts) for d in range(1, first.dim())]
+    out = first.new_zeros(shape)
+    row = 0
+    for p in parts:
+        index = [slice(row, row + p.shape[0])] + [slice(0, n) for n in p.shape[1:]]
+        if right_aligned_dim is not None:
+            index[right_aligned_dim] = slice(shape[right_aligned_dim] - p.shape[right_aligned_dim], None)
+        out[tuple(index)] = p
+        row += p.shape[0]
+    return out
+
+
+def local_only_prompt(
+    keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, like: CompressedPrompt
+) -> CompressedPrompt:
+    """The prompt of rows kept exact (shorter than `min_compress_len`), as `compress_prompt` holds such rows in a
+    batch where others are compressed: every real token in the right-aligned local window, no chunks.
+
+    Args:
+        keys, values (`torch.Tensor`): `[B, Hkv, S, D]` the exact layer's post-RoPE keys and values.
+        real (`torch.Tensor`): `[B, S]` bool, True on real tokens (left padding).
+        like (`CompressedPrompt`): a compressed part of the same batch, for the chunk size and the policy state's
+            names and trailing shapes.
+    """
+    batch, heads, slots, dim = keys.shape
+    window = int(real.sum(dim=-1).max())
+    local_valid = real[:, slots - window :].to(keys.device)
+    keep = local_valid[:, None, :, None]
+    c, device = like.chunk_size, keys.device
+    return CompressedPrompt(
+        a=keys.new_zeros((batch, 0, 0)),
+        b=keys.new_zeros((batch, 0, heads, dim)),
+        positions=torch.zeros((batch, 0), dtype=torch.int64, device=device),
+        policy_state={k: v.new_zeros((batch, v.shape[1], 0, *v.shape[3:])) for k, v in like.policy_state.items()},
+        selectable=torch.zeros((batch, heads, 0), dtype=torch.bool, device=device),
+        budget_chunks=torch.zeros(batch, dtype=torch.int64, device=device),
+        outlier_keys=keys.new_zeros((batch, heads, 0, dim)),
+        outlier_values=values.new_zeros((batch, heads, 0, dim)),
+        outlier_valid=torch.zeros((batch, 0), dtype=torch.bool, device=device),
+        # Pad slots hold zeros, as in `compress_prompt`.
+        local_keys=torch.where(keep, keys[:, :, slots - window :], 0),
+        local_values=torch.where(keep, values[:, :, slots - window :], 0),
+        local_valid=local_valid,
+        values=HostValueStore(torch.zeros((batch, heads, 0, c, dim), dtype=values.dtype), torch.arange(batch)),
+        chunk_size=c,
+        slots=slots,
+        max_budget_chunks=0,
+    )
 
 
 def compress_prompt(

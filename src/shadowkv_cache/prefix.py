@@ -46,6 +46,7 @@ __all__ = [
     "model_identity",
     "prefill",
     "read_prefix",
+    "run_prompt",
     "token_ids_sha256",
     "write_prefix",
 ]
@@ -219,7 +220,16 @@ def as_prefix_ids(input_ids) -> torch.Tensor:
 def prefill(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool = False) -> None:
     """Run the document `input_ids` (`[S]` or `[1, S]`) through `model` into `cache` (one forward, no logits
     kept but the last), with a per-layer progress bar if `progress`."""
-    ids = as_prefix_ids(input_ids)[None].to(_kv_dtype_and_devices(model, 1)[1][0])
+    run_prompt(model, as_prefix_ids(input_ids)[None], cache, progress=progress)
+
+
+def run_prompt(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool = False, **inputs) -> None:
+    """One forward of `input_ids` (`[B, S]`) and further `inputs` (e.g. `attention_mask`, `position_ids`, `[B, S]`)
+    into `cache`, on the device of the model's first layer, no logits kept but the last; a per-layer progress
+    bar if `progress`."""
+    device = _kv_dtype_and_devices(model, 1)[1][0]
+    ids = input_ids.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     hooks = []
     if progress:
@@ -234,7 +244,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool = F
         hooks = [m.register_forward_hook(step) for m in attention]
     try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache})
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **inputs, **{name: cache})
     finally:
         for hook in hooks:
             hook.remove()
