@@ -141,6 +141,17 @@ def _stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = Non
     return out
 
 
+def _empty_store_like(store: HostValueStore, batch: int) -> HostValueStore:
+    """A store of `batch` rows and no chunks in the value format of `store` (so that the two can be joined)."""
+    data = store.data.new_zeros((batch, store.data.shape[1], 0, *store.data.shape[3:]))
+    scales = (
+        None
+        if store.scales is None
+        else store.scales.new_zeros((batch, store.scales.shape[1], 0, *store.scales.shape[3:]))
+    )
+    return HostValueStore(data, torch.arange(batch), scales, store.codec)
+
+
 def local_only_prompt(
     keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor, like: CompressedPrompt
 ) -> CompressedPrompt:
@@ -172,7 +183,7 @@ def local_only_prompt(
         local_keys=torch.where(keep, keys[:, :, slots - window :], 0),
         local_values=torch.where(keep, values[:, :, slots - window :], 0),
         local_valid=local_valid,
-        values=HostValueStore(torch.zeros((batch, heads, 0, c, dim), dtype=values.dtype), torch.arange(batch)),
+        values=_empty_store_like(like.values, batch),
         chunk_size=c,
         slots=slots,
         max_budget_chunks=0,

@@ -104,36 +104,47 @@ class HostValueStore:
 
     @classmethod
     def concat(cls, stores: list[HostValueStore], pin: bool) -> HostValueStore:
-        """One store whose cache rows are those of `stores`, in order: `[sum B, Hkv, max C, c, D]`, pinned if `pin`.
+        """One store whose cache rows are those of `stores`, in order: `[sum B, Hkv, max C, c, ...]`, pinned if
+        `pin`. The stores must share one value format.
 
         Stores may hold different numbers of chunks (micro batches of one batch); the missing chunks are zeros,
         as in a store compressed from the whole batch (nothing selects them, a whole-prompt step masks them).
         """
-        first = stores[0].data
+        codec = stores[0].codec
+        if any(s.codec.name != codec.name for s in stores):
+            raise ValueError(f"Cannot join value stores of formats {sorted({s.codec.name for s in stores})}.")
         rows = sum(len(s.row_map) for s in stores)
-        shape = (rows, first.shape[1], max(s.data.shape[2] for s in stores), *first.shape[3:])
-        if pin:
-            try:
-                data = pinned_pool().allocate(shape, first.dtype)
-            except RuntimeError as err:
-                raise RuntimeError(
-                    f"Could not pin {torch.Size(shape).numel() * first.element_size() / 2**30:.2f} GiB of host "
-                    "memory for the joined ShadowKV value store. Free host memory, lower the batch size, or pass "
-                    "pin_memory=False."
-                ) from err
-        else:
-            data = torch.empty(shape, dtype=first.dtype)
-        row = 0
-        for s in stores:
-            chunks = s.data.shape[2]
-            for stored in s.row_map.tolist():  # row by row: no temporary copy of a whole part
-                data[row, :, :chunks] = s.data[stored]
-                data[row, :, chunks:] = 0  # pooled memory is uninitialised
-                row += 1
-        store = cls(data, torch.arange(shape[0]))
+        chunks = max(s.data.shape[2] for s in stores)
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+            first = parts[0]
+            shape = (rows, first.shape[1], chunks, *first.shape[3:])
+            if pin:
+                try:
+                    out = pinned_pool().allocate(shape, first.dtype)
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"Could not pin {torch.Size(shape).numel() * first.element_size() / 2**30:.2f} GiB of host "
+                        "memory for the joined ShadowKV value store. Free host memory, lower the batch size, or "
+                        "pass pin_memory=False."
+                    ) from err
+            else:
+                out = torch.empty(shape, dtype=first.dtype)
+            row = 0
+            for store, part in zip(stores, parts):
+                held = part.shape[2]
+                for stored in store.row_map.tolist():  # row by row: no temporary copy of a whole part
+                    out[row, :, :held] = part[stored]
+                    out[row, :, held:] = 0  # pooled memory is uninitialised
+                    row += 1
+            return out
+
+        data = joined([s.data for s in stores])
+        scales = joined([s.scales for s in stores]) if stores[0].scales is not None else None
+        store = cls(data, torch.arange(rows), scales, codec)
         device_maps = [s._device_row_map for s in stores if s._device_row_map is not None]
         if device_maps:  # made now, as `offload` does, so that the first decode step does not copy it
-            store._device_row_map = torch.arange(shape[0], device=device_maps[0].device)
+            store._device_row_map = torch.arange(rows, device=device_maps[0].device)
         return store
 
     @property
