@@ -3,7 +3,7 @@
 Every row reads one shared pinned row of values (each row still fetches its own misses over PCIe), so large
 batches need no large pinned allocation; `throughput.py` is the benchmark of record.
 
-python benchmarks/profile_decode.py --context 131072 --batch 8 --h 0.6 [--no-graphs]
+python benchmarks/profile_decode.py --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
 """
 
 from __future__ import annotations
@@ -26,17 +26,20 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--value-format", default="native")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
-    config = ShadowKVConfig(min_compress_len=1024 if args.small else 4096, cuda_graphs=not args.no_graphs)
+    config = ShadowKVConfig(
+        min_compress_len=1024 if args.small else 4096, cuda_graphs=not args.no_graphs, value_format=args.value_format
+    )
     for batch in [int(b) for b in str(args.batch).split(",")]:
         cache = ShadowKVCache(model, config=config, policy=ControlledHitRate(args.h))
         fill_shadowkv(model, cache, batch, args.context, device, None, share_host_row=True)
         step = decode(model, cache, batch, 4, args.steps, device)
         log(
             f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
-            f"h {cache.memory_report().hit_rate:.2f}, graphs {not args.no_graphs}"
+            f"h {cache.memory_report().hit_rate:.2f}, graphs {not args.no_graphs}, values {args.value_format}"
         )
     if args.no_profile:
         return

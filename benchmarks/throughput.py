@@ -21,6 +21,7 @@ ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x ful
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import sys
@@ -39,6 +40,7 @@ from results_io import RESULTS, environment, write_results  # noqa: E402
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: E402
 from shadowkv_cache.compressed_prompt import CompressedPrompt  # noqa: E402
 from shadowkv_cache.pinned_pool import pinned_pool  # noqa: E402
+from shadowkv_cache.value_codecs import value_codec  # noqa: E402
 from shadowkv_cache.value_store import HostValueStore  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -144,10 +146,50 @@ def fill_static(model, batch, length, device, extra):
     return cache
 
 
+def host_value_bytes_per_row(cfg, config, length) -> int:
+    """Host bytes of one row's values in one layer, in `config.value_format` (scales included)."""
+    size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
+    bits = value_codec(config.value_format, cfg.head_dim).bits_per_value(torch.bfloat16)
+    return math.ceil(size.num_chunks * config.chunk_size * cfg.num_key_value_heads * cfg.head_dim * bits / 8)
+
+
+def synthetic_store(codec, rows, stored, shape, device, dtype, block: torch.Tensor | None) -> HostValueStore:
+    """A pinned store of `stored` rows `[stored, Hkv, C, c, D]` in `codec`'s format, read by `rows` cache rows
+    (`rows > stored`: every row reads stored row 0), carved from the flat pinned `block` if given. One row is
+    encoded from random values and copied to the others (the content does not change the speed)."""
+    _, hkv, n, c, d = shape
+    payload_dtype = codec.payload_dtype or dtype
+    payload_shape, scale_shape = (stored, hkv, n, c, codec.payload_dim), (stored, hkv, n, c)
+    payload_bytes = math.prod(payload_shape) * payload_dtype.itemsize
+    if block is not None:
+        payload = block[:payload_bytes].view(payload_dtype).view(payload_shape)
+    else:
+        payload = pinned_pool().allocate(payload_shape, payload_dtype)
+    scales = None
+    if codec.scale_dtype is not None:
+        offset = -(-payload_bytes // 256) * 256
+        scale_bytes = math.prod(scale_shape) * codec.scale_dtype.itemsize
+        if block is not None:
+            scales = block[offset : offset + scale_bytes].view(codec.scale_dtype).view(scale_shape)
+        else:
+            scales = pinned_pool().allocate(scale_shape, codec.scale_dtype)
+    codes, row_scales = codec.encode(torch.randn(1, hkv, n, c, d, device=device, dtype=dtype))
+    for r in range(stored):
+        payload[r].copy_(codes[0])
+        if scales is not None:
+            scales[r].copy_(row_scales[0])
+    row_map = torch.zeros(rows, dtype=torch.int64) if stored < rows else torch.arange(rows)
+    store = HostValueStore(payload, row_map, scales, codec)
+    store._device_row_map = row_map.to(device)
+    codec.prepare(device)
+    return store
+
+
 def fill_shadowkv(
-    model, cache: ShadowKVCache, batch, length, device, host_rows: list[torch.Tensor] | None, share_host_row=False
+    model, cache: ShadowKVCache, batch, length, device, host_blocks: list[torch.Tensor] | None, share_host_row=False
 ):
-    """Synthetic compressed prompts for every layer; host values are views of `host_rows[layer]` if given.
+    """Synthetic compressed prompts for every layer; host values are carved from `host_blocks[layer]` (flat pinned
+    bytes) if given, in the cache's value format.
 
     `share_host_row` (profiling only): every row reads one pinned row of values, so a large batch needs no
     large pinned allocation; each row still fetches its own misses over PCIe."""
@@ -155,21 +197,18 @@ def fill_shadowkv(
     hkv, d, dtype = cfg.num_key_value_heads, cfg.head_dim, model.dtype
     size = config.resolve(length, hkv * d)
     c, n, o, w, k = config.chunk_size, size.num_chunks, size.outliers, size.local, size.budget_chunks
+    codec = value_codec(config.value_format, d)
     for i, layer in enumerate(cache.layers):
         selectable = torch.ones(batch, hkv, n, dtype=torch.bool, device=device)
         selectable[..., :o] = False
         stored = 1 if share_host_row else batch
-        if host_rows is not None:
-            host = host_rows[i][:stored]
+        if device.type == "cuda":
+            block = host_blocks[i] if host_blocks is not None else None
+            store = synthetic_store(codec, batch, stored, (stored, hkv, n, c, d), device, dtype, block)
         else:
-            host = pinned_pool().allocate((stored, hkv, n, c, d), dtype) if device.type == "cuda" else None
-        if host is not None:
-            host.copy_(torch.randn(stored, hkv, n, c, d, device=device, dtype=dtype))
-            row_map = torch.zeros(batch, dtype=torch.int64) if share_host_row else torch.arange(batch)
-            store = HostValueStore(host, row_map)
-            store._device_row_map = row_map.to(device)
-        else:
-            store = HostValueStore.offload(torch.randn(batch, hkv, n, c, d, dtype=dtype), pin=False)
+            store = HostValueStore.offload(
+                torch.randn(batch, hkv, n, c, d, dtype=dtype), pin=False, value_format=config.value_format
+            )
         prompt = CompressedPrompt(
             a=torch.randn(batch, n * c, size.rank, device=device, dtype=dtype),
             b=torch.randn(batch, size.rank, hkv, d, device=device, dtype=dtype) / size.rank**0.5,
@@ -224,8 +263,9 @@ def free(device) -> None:
 
 
 class Recorder:
-    COLUMNS = ["context", "method", "fill", "batch", "h_target", "hit_rate", "tok_s", "step_ms", "peak_gpu_gib",
-               "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share", "bound_ms", "note"]  # fmt: skip
+    COLUMNS = ["context", "method", "value_format", "fill", "batch", "h_target", "hit_rate", "tok_s", "step_ms",
+               "peak_gpu_gib", "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share", "bound_ms",
+               "note"]  # fmt: skip
 
     def __init__(self, name, env):
         self.name, self.env, self.rows = name, env, []
@@ -259,7 +299,7 @@ class Recorder:
                 or r.get("fill") == "real prefill"
             ):
                 continue
-            label = r["method"] + (f" h={r['h_target']}" if r["method"] == "shadowkv" else "")
+            label = r["method"] + (f" {r.get('value_format')} h={r['h_target']}" if r["method"] == "shadowkv" else "")
             best = series.setdefault(label, {})
             best[r["context"]] = max(best.get(r["context"], 0.0), r["tok_s"])
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -293,6 +333,7 @@ def shadowkv_bound(cfg, config, length, batch, h, weights, hbm_bw):
         * (1 - h)
         * (config.chunk_size * per_head / cfg.num_key_value_heads)
     )
+    pcie *= value_codec(config.value_format, cfg.head_dim).bits_per_value(torch.bfloat16) / 16
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
 
 
@@ -306,10 +347,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--h-sweep", type=float, default=0.6, help="hit rate of the ShadowKV batch sweep")
     p.add_argument("--host-gib", type=float, default=96.0, help="host memory the ShadowKV sweep may pin")
+    p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
+    p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
     args = p.parse_args()
+    args.extra_h = [None if x == "own" else float(x) for x in args.extra_h.split(",") if x]
 
     device = torch.device(args.device)
     contexts = [int(x) for x in (args.contexts or ("2048,4096" if args.small else "32768,65536,131072")).split(",")]
@@ -424,96 +468,92 @@ def main() -> None:
             rec.add(dict(context=length, method="full-attention roofline", batch=b, tok_s=b / t, step_ms=t * 1e3,
                          note="HBM bytes / measured copy bandwidth" + (" (Dynamic's best batch)" if b == row["batch"] else " (largest batch that fits)")))  # fmt: skip  # noqa: E501
 
-    # 3. ShadowKV sweeps (synthetic fill, controlled hit rate), then h = 0 / 0.8 / own selection at the best batch.
+    # 3. ShadowKV sweeps (synthetic fill, controlled hit rate) per value format, then h = 0 / 0.8 / own selection
+    # at the best batch. The host budget bounds the batch: quantised values fit more rows into it.
     host_budget = args.host_gib * 2**30
     host_blocks = None
+    if device.type == "cuda":  # pinned once for every context and format: one flat block per layer, reused
+        t = time.perf_counter()
+        host_blocks = [pinned_pool().allocate((int(host_budget // cfg.num_hidden_layers),), torch.uint8)
+                       for _ in range(cfg.num_hidden_layers)]  # fmt: skip
+        log(f"pinned pool: {pinned_pool().pinned_bytes / 2**30:.1f} GiB pinned ({time.perf_counter() - t:.1f} s)")
     for length in contexts:
-        size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
-        row_host = size.num_chunks * config.chunk_size * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
-        max_rows = max(1, int(host_budget // (row_host * cfg.num_hidden_layers)))
-        sweep = [b for b in batches if b <= max_rows]
-        if max_rows not in sweep and max_rows < batches[-1]:
-            sweep.append(max_rows)
-        log(
-            f"shadowkv {length}: host values {row_host * cfg.num_hidden_layers / 2**30:.2f} GiB per row, up to {max_rows} rows"  # noqa: E501
-        )
-        host_rows = None
-        if device.type == "cuda":
-            if host_blocks is None:  # pinned once for every context: one flat block per layer, reused
-                t = time.perf_counter()
-                host_blocks = [pinned_pool().allocate((int(host_budget // cfg.num_hidden_layers),), torch.uint8)
-                               for _ in range(cfg.num_hidden_layers)]  # fmt: skip
-                pinned = pinned_pool().pinned_bytes / 2**30
-                log(f"pinned pool: {pinned:.1f} GiB pinned ({time.perf_counter() - t:.1f} s)")
-            shape = (max(sweep), cfg.num_key_value_heads, size.num_chunks, config.chunk_size, cfg.head_dim)
-            host_rows = [
-                blk[: math.prod(shape) * model.dtype.itemsize].view(model.dtype).view(shape) for blk in host_blocks
-            ]
-        best_row = None
-        plan = [(b, args.h_sweep) for b in sweep]
-        i = 0
-        while i < len(plan):
-            batch, h = plan[i]
-            i += 1
-            policy = LandmarkTopK() if h is None else ControlledHitRate(h)
-            cache = None
-            try:
-                free(device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                cache = fill_shadowkv(
-                    model, ShadowKVCache(model, config=config, policy=policy), batch, length, device, host_rows
-                )
-                step = decode(model, cache, batch, args.warm, args.steps, device)
-            except torch.OutOfMemoryError:
-                log(f"shadowkv {length} batch {batch}: out of GPU memory")
+        for value_format in args.value_formats.split(","):
+            fmt_config = dataclasses.replace(config, value_format=value_format)
+            row_host = host_value_bytes_per_row(cfg, fmt_config, length)
+            # 256 bytes per layer of alignment between the payload and the scales
+            max_rows = max(1, int((host_budget // cfg.num_hidden_layers - 256) // row_host))
+            sweep = [b for b in batches if b <= max_rows]
+            if max_rows not in sweep and max_rows < batches[-1]:
+                sweep.append(max_rows)
+            log(f"shadowkv {length} {value_format}: host values {row_host * cfg.num_hidden_layers / 2**30:.2f} GiB "
+                f"per row, up to {max_rows} rows")  # fmt: skip
+            best_row = None
+            plan = [(b, args.h_sweep) for b in sweep]
+            i = 0
+            while i < len(plan):
+                batch, h = plan[i]
+                i += 1
+                policy = LandmarkTopK() if h is None else ControlledHitRate(h)
+                cache = None
+                try:
+                    free(device)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    cache = ShadowKVCache(model, config=fmt_config, policy=policy)
+                    fill_shadowkv(model, cache, batch, length, device, host_blocks)
+                    step = decode(model, cache, batch, args.warm, args.steps, device)
+                except torch.OutOfMemoryError:
+                    log(f"shadowkv {length} {value_format} batch {batch}: out of GPU memory")
+                    del cache
+                    free(device)
+                    if i <= len(sweep):  # larger batches would not fit either: on to the other hit rates
+                        sweep, plan = sweep[: i - 1], plan[: i - 1]
+                        if best_row is not None:
+                            plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
+                        i = len(sweep)
+                    continue
+                hr = hit_rate(cache)
+                bound, hbm, pcie = shadowkv_bound(cfg, fmt_config, length, batch, hr or 0.0, weights, hbm_bw)
+                row = dict(context=length, method="shadowkv", value_format=value_format, fill="synthetic",
+                           batch=batch, h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step,
+                           step_ms=step * 1e3, peak_gpu_gib=torch.cuda.max_memory_allocated(device) / 2**30
+                           if device.type == "cuda" else None,
+                           host_gib=batch * row_host * cfg.num_hidden_layers / 2**30, bound_ms=bound * 1e3,
+                           hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9)  # fmt: skip
+                rec.add(row)
                 del cache
                 free(device)
-                continue
-            hr = hit_rate(cache)
-            bound, hbm, pcie = shadowkv_bound(cfg, config, length, batch, hr or 0.0, weights, hbm_bw)
-            row = dict(context=length, method="shadowkv", fill="synthetic", batch=batch,
-                       h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step, step_ms=step * 1e3,
-                       peak_gpu_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-                       host_gib=batch * row_host * cfg.num_hidden_layers / 2**30, bound_ms=bound * 1e3,
-                       hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9)  # fmt: skip
-            rec.add(row)
-            del cache
+                if h == args.h_sweep and (best_row is None or row["tok_s"] > best_row["tok_s"]):
+                    best_row = row
+                if i == len(sweep) and best_row is not None:  # sweep done: other hit rates at the best batch
+                    plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
             free(device)
-            if h == args.h_sweep and (best_row is None or row["tok_s"] > best_row["tok_s"]):
-                best_row = row
-            if i == len(sweep) and best_row is not None:  # sweep done: other hit rates at the best batch
-                plan += [(best_row["batch"], x) for x in (0.0, 0.8, None) if x != args.h_sweep]
-        del host_rows
-        free(device)
 
-    # Summary against the targets.
+    # Summary against the targets, per value format.
     for length in contexts:
-        sk = [
-            r for r in rec.rows if r["context"] == length and r["method"] == "shadowkv" and r.get("fill") == "synthetic"
-        ]
         dyn = best.get(length)
         roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
-        if not sk or not dyn:
-            continue
-        at_h = [r for r in sk if r.get("h_target") == args.h_sweep]
-        top = max(at_h or sk, key=lambda r: r["tok_s"])
-        roof_best = next((r for r in roof if r["batch"] == dyn["batch"]), None)
-        rec.add(
-            dict(
-                context=length,
-                method="summary",
-                batch=top["batch"],
-                h_target=top.get("h_target"),
-                tok_s=top["tok_s"],
-                note=f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"  # noqa: E501
-                + (
+        roof_best = next((r for r in roof if dyn and r["batch"] == dyn["batch"]), None)
+        for value_format in args.value_formats.split(","):
+            at_h = [
+                r
+                for r in rec.rows
+                if r["context"] == length
+                and r["method"] == "shadowkv"
+                and r.get("value_format") == value_format
+                and r.get("h_target") == args.h_sweep
+            ]
+            if not at_h or not dyn:
+                continue
+            top = max(at_h, key=lambda r: r["tok_s"])
+            note = f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"  # noqa: E501
+            if roof_best:
+                note += (
                     f"; x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at that batch ({roof_best['tok_s']:.1f})"
-                    if roof_best
-                    else ""
-                ),
-            )
-        )
+                )
+            rec.add(dict(context=length, method="summary", value_format=value_format, batch=top["batch"],
+                         h_target=top.get("h_target"), tok_s=top["tok_s"], note=note))  # fmt: skip
     rec.write(plot=True)
     log("done:", Path(__file__).resolve().parent / "results" / f"{name}.md")
 

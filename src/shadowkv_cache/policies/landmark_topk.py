@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..landmarks import chunk_landmarks
-from .base import SelectionPolicy, grouped_query
+from ..ops.landmark_scores import landmark_scores
+from .base import SelectionPolicy
 
 __all__ = ["LandmarkTopK"]
 
@@ -25,16 +26,4 @@ class LandmarkTopK(SelectionPolicy):
     def score(
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
-        landmarks = state["landmarks"]
-        # Rows sharing one document hold stride-0 views: score against the one copy, which einsum broadcasts,
-        # rather than materialising a copy per row.
-        if landmarks.shape[0] > 1 and landmarks.stride(0) == 0:
-            landmarks = landmarks[:1]
-        q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
-        # In the KV dtype (fp32 accumulation inside the GEMM): the landmarks are the largest tensor a step reads,
-        # and converting them to fp32 first would triple those bytes.
-        logits = torch.einsum("bhgtd,bhcd->bhgtc", q.to(landmarks.dtype), landmarks)
-        logits = logits.masked_fill(~selectable[:, :, None, None, :], float("-inf"))
-        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num(0.0)
-        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, C]
+        return landmark_scores(query, state["landmarks"], selectable, scaling)  # [B, Hkv, C]

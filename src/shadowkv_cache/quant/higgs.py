@@ -165,9 +165,7 @@ class HiggsQuantizer:
 
     def __init__(self, head_dim: int, grid_dim: int = 2, seed: int = 0) -> None:
         if not isinstance(head_dim, int) or head_dim < 2 or head_dim & (head_dim - 1):
-            raise ValueError(
-                f"head_dim must be a power of two (the Hadamard rotation needs one), got {head_dim!r}"
-            )
+            raise ValueError(f"head_dim must be a power of two (the Hadamard rotation needs one), got {head_dim!r}")
         if grid_dim not in GRID_DIMS:
             raise ValueError(f"grid_dim must be one of {GRID_DIMS} (~4 / 2 / 1 bits per value), got {grid_dim!r}")
         if head_dim % grid_dim:
