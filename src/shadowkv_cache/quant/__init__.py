@@ -1,0 +1,5 @@
+"""Vector quantisers for KV storage (YAKV mode, SPEC §4)."""
+
+from .higgs import GRID_DIMS, GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid
+
+__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid"]
