@@ -54,6 +54,7 @@ FORMAT_VERSION = 1
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory")
+_MODE_FIELDS = ("mode", "host_grid_dim", "score_grid_dim", "recent_window")
 # Config entries that do not change the keys and values a model computes.
 _VOLATILE_CONFIG_KEYS = {
     "architectures", "bos_token_id", "dtype", "eos_token_id", "id2label", "label2id", "output_attentions",
@@ -386,6 +387,9 @@ def _check_config(
 ) -> tuple[ShadowKVConfig, ShadowKVConfig]:
     """(the config the file was made with, the config asked for), after checking they shaped the same state."""
     fields = _field(meta, "shadowkv_config", dict, path)
+    # Files written before the YAKV fields existed are ShadowKV-mode files: those fields take their defaults.
+    defaults = dataclasses.asdict(ShadowKVConfig())
+    fields = {**{k: defaults[k] for k in _MODE_FIELDS if k not in fields}, **fields}
     if sorted(fields) != sorted(ShadowKVConfig.field_names()):
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata has fields {sorted(fields)} (damaged?).")
     try:
