@@ -28,13 +28,16 @@ class ShadowKVCache(Cache):
     At prefill each layer keeps a low-rank factorisation of the pre-RoPE keys, chunk landmarks, a few exact
     outlier chunks and the local window on the device, and moves the values to (pinned) host memory. Each
     decode step selects the top chunks per KV head, rebuilds only missed keys and fetches only missed values.
-    Prompts shorter than `min_compress_len` stay exact.
+    Prompts shorter than `min_compress_len` stay exact. With `mode="yakv"` the prompt's keys and values are
+    instead quantised ~4-bit into host memory and every token is scored from a ~2-bit copy of its key kept on
+    the device; the top tokens per KV head are fetched (SPEC §4, `YakvLayer`).
 
     Args:
         model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3); it is patched
             (attention function, rotary hook) reversibly, see `shadowkv_cache.unpatch_model`.
         config (`ShadowKVConfig`, *optional*): settings; the paper's defaults scaled to the model when omitted.
-        policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`): how chunks are scored.
+        policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`, or `QuantizedKeyTopK()` in YAKV
+            mode): how chunks (YAKV: tokens) are scored.
         **overrides: any `ShadowKVConfig` field, e.g. `sparse_budget=512`.
 
     >>> cache = ShadowKVCache(model, sparse_budget=1024)  # doctest: +SKIP
