@@ -352,3 +352,28 @@ def test_smollm2_fidelity_at_a_modest_budget(smollm2):
     print(f"SmolLM2 2K YAKV fidelity at {SMOL_BUDGET} tokens: {fid}")
     assert fid.agreement >= SMOL_FLOOR_AGREEMENT
     assert fid.mean_kl <= SMOL_CEIL_KL
+
+
+# -- CUDA (pinned host records); run with `pytest -m gpu` on a CUDA machine ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_yakv_on_cuda(arch):
+    model = make_tiny_model(arch).cuda()
+    ids = random_prompt(PROMPT, seed=5).cuda()
+    cache = ShadowKVCache(model, **yakv())
+    out = generate_with(model, ids, cache, max_new_tokens=STEPS)
+    ref_tokens, ref_logits = quantised_reference(model, ids, STEPS)
+    assert torch.equal(out.sequences[:, PROMPT:], ref_tokens)
+    assert_logits_close(out.logits, ref_logits, atol=1e-4)  # CUDA SDPA sums in another order than the CPU
+    for layer in cache.layers:
+        assert layer.prompt.store.data.is_pinned() and layer.prompt.policy_state["codes"].is_cuda
+
+    rows = [random_prompt(PROMPT, seed=10)[0], random_prompt(200, seed=11)[0]]
+    padded, mask = left_pad(rows)
+    together = generate_with(model, padded.cuda(), ShadowKVCache(model, **small_yakv()), attention_mask=mask.cuda())
+    for row, prompt in enumerate(rows):
+        alone = generate_with(model, prompt[None].cuda(), ShadowKVCache(model, **small_yakv()))
+        assert torch.equal(together.sequences[row, padded.shape[1] :], alone.sequences[0, len(prompt) :])
