@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
-from methods import EVICTING, METHODS, PolicyBundle, fork_cache
+from methods import EVICTING, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
 from results_io import RESULTS, environment, markdown_table, plot_facets, write_results
 from selection_probe import SelectionProbe
 from tasks import TASKS
@@ -152,13 +152,18 @@ class Runner:
         self.elem = torch.finfo(model.dtype).bits // 8
 
     def overrides(self, cfg: Config, length: int) -> dict:
+        start = {"min_compress_len": min(1024, length // 2)}
+        if cfg.method in MODE_CHANGES:  # no rank or chunks: keys and values are quantised, tokens selected
+            return {**start, **MODE_CHANGES[cfg.method]}
         rank = self.key_dim if cfg.rank == "full" else cfg.rank
-        return {"rank": rank, "chunk_size": cfg.chunk, "min_compress_len": min(1024, length // 2)}
+        return {"rank": rank, "chunk_size": cfg.chunk, **start}
 
     def groups(self, configs: list[Config]) -> dict[tuple, list[Config]]:
+        """Configs that can share one prefill: same rank and chunk size, or the same storage mode."""
         out: dict[tuple, list[Config]] = defaultdict(list)
         for cfg in configs:
-            out[(cfg.rank, cfg.chunk)].append(cfg)
+            key = (cfg.method,) if cfg.method in MODE_CHANGES else (cfg.rank, cfg.chunk)
+            out[key].append(cfg)
         return out
 
     def base_cache(self, group: list[Config], length: int, ids, mask) -> ShadowKVCache:
@@ -177,8 +182,22 @@ class Runner:
         """Selection recall and the host-to-device value bytes per decode step and sequence.
 
         Single-token steps move the temporal cache's missed chunks; a multi-token step (a later chat turn) with
-        `dense_multi_token_steps` moves every chunk of the prompt.
+        `dense_multi_token_steps` moves every chunk of the prompt. YAKV counts the quantised key and value
+        records it read (the selected tokens at every step, the whole prompt on multi-token steps).
         """
+        if cache.config.mode == "yakv":
+            recall, oracle, units = probe.totals()
+            dense_steps = multi_token_steps if cache.config.dense_multi_token_steps else 0
+            return {
+                "rank": self.key_dim,  # keys are quantised, not low-rank
+                "recall_mass": recall,
+                "oracle_mass": oracle,
+                "units": units,
+                "value_bytes": sum(layer.fetched_bytes for layer in cache.layers if layer.is_compressed),
+                "steps_rows": (probe.steps + dense_steps) * rows,
+                "hits": 0,
+                "lookups": 0,
+            }
         misses = sum(int(layer.temporal.lookups - layer.temporal.hits) for layer in cache.layers if layer.temporal)
         hits = sum(int(layer.temporal.hits) for layer in cache.layers if layer.temporal)
         chunk_bytes = cfg.chunk * self.head_dim * self.elem
@@ -351,6 +370,8 @@ def label(row: dict, key_dim: int) -> str:
     """Series name: the method, its keys (exact or the rank) and a chunk size other than 8."""
     if row["method"] == "full":
         return "full attention"
+    if row["method"] in MODE_CHANGES:
+        return f"{row['method']} (4-bit K/V, token top-k)"
     suffix = "" if row["chunk"] == 8 else f", c={row['chunk']}"
     keys = "exact keys" if row["rank"] >= key_dim else f"rank {row['rank']}"
     return f"{row['method']} ({keys}{suffix})"
@@ -383,7 +404,10 @@ host value store; only the selection policy and `sparse_budget` (tokens selected
 on top of outliers, local window and generated tokens) change. Methods: `full` = the model's own `DynamicCache`;
 `shadowkv` = landmark top-k (`LandmarkTopK`); `quest` = per-chunk min/max bound; `streaming_llm` = first chunk +
 most recent chunks (evicting); `snapkv` = chunks voted by the last 32 prompt queries (evicting); `oracle` =
-top-k by exact attention mass (upper bound for chunk selection).
+top-k by exact attention mass (upper bound for chunk selection). `yakv` runs in its own cache (`mode="yakv"`, own
+prefill): 4-bit keys and values on the host, tokens (not chunks) chosen from 2-bit keys on the device, the last
+64 prompt tokens exact; its rank and chunk columns do not apply, and its recall and oracle recall are over tokens
+(the oracle being the best `budget` tokens), so compare them with the chunk methods' at equal budget with care.
 
 - accuracy: the task's score in [0, 1], averaged over samples (and turns); for `fidelity`, teacher-forced top-1
   agreement with full attention on natural text (plus `mean_kl`, `greedy_match`).
@@ -393,7 +417,9 @@ top-k by exact attention mass (upper bound for chunk selection).
 - h2d_kib_per_step: host-to-device bytes per decode step and sequence, all layers, from the temporal cache's
   misses: missed chunks x c x D x dtype bytes, values only, since keys are rebuilt on the device from the
   low-rank factors. A method that offloaded exact keys as well would move twice as much. For `full`, the bytes
-  of the whole K and V, which an offloaded full cache would move at every step.
+  of the whole K and V, which an offloaded full cache would move at every step. For `yakv`: the quantised key
+  and value records read (`2*(D/2) + 4` bytes per token and KV head, whatever the model dtype), the selected
+  tokens at every step (no temporal cache), the whole prompt on multi-token steps.
 - Multi-token steps after the prompt (a later chat turn) read every chunk for the offloading methods (the
   package default `dense_multi_token_steps=True`; counted in h2d as the whole prompt's values), while the
   evicting methods (StreamingLLM, SnapKV) keep their prefill-time selection at every step: after the first step

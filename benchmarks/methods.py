@@ -1,9 +1,11 @@
 """The benchmark's methods: the name -> policy table, and running every method from one prefill.
 
-Legend: B batch, Hkv KV heads, C chunks, c chunk size, K selected chunks.
+Legend: B batch, Hkv KV heads, C chunks, c chunk size, K selected chunks (or tokens).
 
-Every method runs inside the same `ShadowKVCache` (same low-rank keys, outliers, local window and value store);
-only the selection policy and the budget differ, so methods are compared at an equal token budget. The prefill
+Every ShadowKV-mode method runs inside the same `ShadowKVCache` (same low-rank keys, outliers, local window and
+value store); only the selection policy and the budget differ, so methods are compared at an equal token budget.
+YAKV stores the prompt differently (`mode="yakv"`: quantised keys and values, token selection), so it gets its
+own prefill (`MODE_CHANGES`) and is compared at the same token budget. The prefill
 is exact attention whatever the policy, so the harness prefills once with a `PolicyBundle`, which prepares the
 state of every policy, and `fork_cache` then makes one cache per (method, budget) that shares the compressed
 prompt and host values (read-only) and has its own temporal cache and decoded tokens. A test checks that a fork
@@ -18,11 +20,20 @@ import math
 import torch
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
+from shadowkv_cache.policies import (
+    LandmarkTopK,
+    OracleTopK,
+    QuantizedKeyTopK,
+    Quest,
+    SelectionPolicy,
+    SnapKV,
+    StreamingLLM,
+)
+from shadowkv_cache.quantized_prompt import QuantizedPrompt
 from shadowkv_cache.temporal_cache import TemporalCache
 from shadowkv_cache.token_buffer import TokenBuffer
 
-__all__ = ["EVICTING", "METHODS", "PolicyBundle", "fork_cache"]
+__all__ = ["EVICTING", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
 
 # name -> a fresh policy. "full" (the model's own DynamicCache) is not a policy and is run by the harness.
 METHODS: dict[str, type[SelectionPolicy]] = {
@@ -31,7 +42,10 @@ METHODS: dict[str, type[SelectionPolicy]] = {
     "streaming_llm": StreamingLLM,
     "snapkv": SnapKV,
     "oracle": OracleTopK,
+    "yakv": QuantizedKeyTopK,
 }
+# Methods with their own storage mode: the config changes of their prefill (the others share ShadowKV's).
+MODE_CHANGES: dict[str, dict] = {"yakv": {"mode": "yakv"}}
 # Evicting methods: what they did not keep at prefill is gone, so they run with `dense_multi_token_steps=False`
 # (a later chat turn cannot read the whole prompt again, as the offloading methods do by default).
 EVICTING = frozenset({"streaming_llm", "snapkv"})
@@ -44,7 +58,11 @@ class PolicyBundle(SelectionPolicy):
     """
 
     def __init__(self, policies: dict[str, SelectionPolicy]):
+        granularities = {p.granularity for p in policies.values()}
+        if len(granularities) > 1:
+            raise ValueError(f"A PolicyBundle needs policies of one granularity; got {sorted(granularities)}.")
         self.policies = policies
+        self.granularity = granularities.pop() if granularities else "chunk"
         self.observation_window = max((p.observation_window for p in policies.values()), default=0)
 
     def prepare(self, chunk_keys, recent_queries=None, scaling=None) -> dict[str, torch.Tensor]:
@@ -80,10 +98,20 @@ def fork_cache(
         prompt = old.prompt
         if prompt is None:
             continue
-        new.new = TokenBuffer(*old.new.held())  # written in place: each fork has its own
-        new.keys, new.values = new.new.held()
+        if old.new is not None:  # written in place: each fork has its own (YAKV layers concatenate instead)
+            new.new = TokenBuffer(*old.new.held())
+            new.keys, new.values = new.new.held()
         state = {k[len(prefix) :]: v for k, v in prompt.policy_state.items() if k.startswith(prefix)}
         state["exact_keys"] = prompt.policy_state["exact_keys"]
+        if isinstance(prompt, QuantizedPrompt):  # YAKV: a budget of tokens, clamped to each row's, no temporal cache
+            quantised = prompt.real.sum(dim=-1)
+            budget = quantised.clamp(max=sparse_budget).to(torch.int64)  # [B]
+            host = budget.cpu()
+            new.prompt = dataclasses.replace(
+                prompt, policy_state=state, budget_tokens=budget, budget_host=host, max_budget_tokens=int(host.max())
+            )
+            new.fetched_bytes = new.sparse_steps = 0
+            continue
         # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.
         wanted = math.ceil(sparse_budget / prompt.chunk_size)
         budget = prompt.selectable[:, 0].sum(dim=-1).clamp(max=wanted).to(torch.int64)  # [B]

@@ -30,7 +30,7 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from methods import METHODS, PolicyBundle, fork_cache  # noqa: E402
+from methods import METHODS, MODE_CHANGES, PolicyBundle, fork_cache  # noqa: E402
 from selection_probe import SelectionProbe  # noqa: E402
 
 POLICIES = [StreamingLLM, SnapKV, LandmarkTopK, Quest, OracleTopK]  # easy to hard
@@ -172,9 +172,10 @@ def test_a_fork_decodes_like_a_cache_with_its_own_prefill():
     """`fork_cache` (one prefill, many methods) must give what each method gives on its own."""
     model, prompt = tiny_model("llama"), random_prompt(180, seed=7)
     overrides = small_budget_overrides(sparse_budget=24)
-    base = ShadowKVCache(model, policy=PolicyBundle({m: cls() for m, cls in METHODS.items()}), **overrides)
+    shared = {m: cls for m, cls in METHODS.items() if m not in MODE_CHANGES}
+    base = ShadowKVCache(model, policy=PolicyBundle({m: cls() for m, cls in shared.items()}), **overrides)
     forward_with(model, prompt[:, :-1], base)
-    for name, cls in METHODS.items():
+    for name, cls in shared.items():
         alone = ShadowKVCache(model, policy=cls(), **overrides)
         forward_with(model, prompt[:, :-1], alone)
         ref = generate_with(model, prompt, alone, max_new_tokens=6)
@@ -182,6 +183,29 @@ def test_a_fork_decodes_like_a_cache_with_its_own_prefill():
         assert torch.equal(out.sequences, ref.sequences), name
         assert_logits_close(out.logits, ref.logits)
     assert all(layer.keys.shape[2] == 0 for layer in base.layers)  # the base itself never moved on
+
+
+def test_a_yakv_fork_decodes_like_its_own_prefill_and_counts_its_bytes():
+    """YAKV has its own prefill (mode="yakv"); a fork of it at a budget decodes as a YAKV cache at that budget."""
+    from shadowkv_cache.policies import QuantizedKeyTopK
+
+    model, prompt = tiny_model("llama"), random_prompt(180, seed=9)
+    layers = model.config.num_hidden_layers
+    overrides = {"min_compress_len": 64, **MODE_CHANGES["yakv"]}
+    base = ShadowKVCache(model, policy=PolicyBundle({"yakv": QuantizedKeyTopK()}), **overrides)
+    forward_with(model, prompt[:, :-1], base)
+    alone = ShadowKVCache(model, sparse_budget=24, **overrides)
+    forward_with(model, prompt[:, :-1], alone)
+    ref = generate_with(model, prompt, alone, max_new_tokens=6)
+    probe = SelectionProbe(QuantizedKeyTopK(), layers)
+    fork = fork_cache(base, model, "yakv", probe, 24)
+    out = generate_with(model, prompt, fork, max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits)
+    record = 2 * 16 // 2 + 4  # 4-bit keys and values of one token and head, with their fp16 norms
+    assert [layer.fetched_bytes for layer in fork.layers] == [6 * 24 * 2 * record] * layers
+    recall, oracle, units = probe.totals()
+    assert probe.steps == 6 and 0 < recall <= oracle + 1e-6 <= units + 2e-6
 
 
 def test_probe_changes_nothing_and_the_oracle_reaches_the_oracle_recall():

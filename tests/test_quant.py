@@ -147,4 +147,5 @@ def test_search_is_chunked(monkeypatch):
     x = torch.randn(300, 32)
     whole = q.quantize(x).codes
     monkeypatch.setattr(higgs, "_SEARCH_CHUNK", 7)
+    monkeypatch.setattr(higgs, "_SEARCH_CHUNK_CPU", 7)
     assert torch.equal(q.quantize(x).codes, whole)

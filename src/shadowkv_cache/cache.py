@@ -16,8 +16,9 @@ from .adapters import check_supported, patch_model
 from .config import ShadowKVConfig
 from .layer import ShadowKVLayer
 from .memory_report import LayerMemory, MemoryReport
-from .policies import LandmarkTopK, SelectionPolicy
+from .policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from .value_codecs import check_value_format
+from .yakv_layer import YakvLayer
 
 __all__ = ["ShadowKVCache"]
 
@@ -28,13 +29,16 @@ class ShadowKVCache(Cache):
     At prefill each layer keeps a low-rank factorisation of the pre-RoPE keys, chunk landmarks, a few exact
     outlier chunks and the local window on the device, and moves the values to (pinned) host memory. Each
     decode step selects the top chunks per KV head, rebuilds only missed keys and fetches only missed values.
-    Prompts shorter than `min_compress_len` stay exact.
+    Prompts shorter than `min_compress_len` stay exact. With `mode="yakv"` the prompt's keys and values are
+    instead quantised ~4-bit into host memory and every token is scored from a ~2-bit copy of its key kept on
+    the device; the top tokens per KV head are fetched (SPEC §4, `YakvLayer`).
 
     Args:
         model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3); it is patched
             (attention function, rotary hook) reversibly, see `shadowkv_cache.unpatch_model`.
         config (`ShadowKVConfig`, *optional*): settings; the paper's defaults scaled to the model when omitted.
-        policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`): how chunks are scored.
+        policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`, or `QuantizedKeyTopK()` in YAKV
+            mode): how chunks (YAKV: tokens) are scored.
         **overrides: any `ShadowKVConfig` field, e.g. `sparse_budget=512`.
 
     >>> cache = ShadowKVCache(model, sparse_budget=1024)  # doctest: +SKIP
@@ -70,15 +74,24 @@ class ShadowKVCache(Cache):
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
-        config.validate(key_dim=text_config.num_key_value_heads * head_dim)
+        config.validate(key_dim=text_config.num_key_value_heads * head_dim, head_dim=head_dim)
         check_value_format(config.value_format, head_dim)
         if policy is not None and not isinstance(policy, SelectionPolicy):
             raise TypeError(f"policy must be a SelectionPolicy, got {type(policy).__name__}.")
+        yakv = config.mode == "yakv"
+        # ShadowKV mode selects chunks, YAKV mode single tokens.
+        granularity = "token" if yakv else "chunk"
+        if policy is not None and policy.granularity != granularity:
+            raise ValueError(
+                f"mode={config.mode!r} selects by {granularity}, but {type(policy).__name__} scores by "
+                f"{policy.granularity}; pass a {granularity}-granularity policy or leave policy=None."
+            )
 
         adapter = patch_model(model)
         self.config = config
-        self.policy = policy or LandmarkTopK()
-        layers = [ShadowKVLayer(config, self.policy, adapter.rope) for _ in range(text_config.num_hidden_layers)]
+        self.policy = policy or (QuantizedKeyTopK(config.score_grid_dim) if yakv else LandmarkTopK())
+        layer_class = YakvLayer if yakv else ShadowKVLayer
+        layers = [layer_class(config, self.policy, adapter.rope) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
@@ -168,6 +181,11 @@ class ShadowKVCache(Cache):
                 cache was filled by a plain forward rather than `prefill`/`load_prefix`. The cache must hold
                 exactly these tokens: save before generating.
         """
+        if self.config.mode != "shadowkv":
+            raise prefix.PrefixCacheError(
+                f"save_prefix does not support mode={self.config.mode!r} yet; share the document in this process "
+                "with fork(), or use mode='shadowkv'."
+            )
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
@@ -198,6 +216,11 @@ class ShadowKVCache(Cache):
         anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
         `pin_memory` may differ from the saved config. The temporal cache starts empty.
         """
+        if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
+            raise prefix.PrefixCacheError(
+                "load_prefix does not support mode='yakv' yet (prefix files hold ShadowKV-mode prompts); "
+                "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
+            )
         state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides)
         cache = cls(model, state.config, state.policy)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):

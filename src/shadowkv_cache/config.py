@@ -19,6 +19,12 @@ _BUDGET_SHARE = 0.015625  # 2048 / 131072
 _BUDGET_FLOOR = 256
 _OUTLIER_SHARE = 0.003  # ~48 chunks of 16384
 _OUTLIER_FLOOR = 4
+# YAKV fetches ~4-bit keys and values (~1.03*D bytes per token and head at D = 128) where ShadowKV fetches bf16
+# values (2*D bytes), so about twice the tokens move the same PCIe bytes: the study's 3.125% (its Appendix G).
+_YAKV_BUDGET_SHARE = 0.03125
+_YAKV_BUDGET_FLOOR = 512
+MODES = ("shadowkv", "yakv")
+_GRID_DIMS = (2, 4, 8)  # as shadowkv_cache.quant.GRID_DIMS (not imported: the config stays free of torch)
 
 
 def _is_number(x: object) -> bool:
@@ -63,6 +69,19 @@ class ShadowKVConfig:
             bf16), `"fp8"` as float8 e4m3 with one bf16 scale per value vector (`8 + 16/D` bits), `"higgs4"`
             ~4-bit HIGGS codes (2-D grid, `4 + 16/D` bits). Fetched values are decoded to the KV dtype; the
             outlier, local and generated values stay exact. See `value_codecs.py`.
+        mode (`str`, *optional*, defaults to `"shadowkv"`):
+            `"shadowkv"` (low-rank keys, chunk landmarks, outliers, values on the host) or `"yakv"` (the
+            context-intensive mode, SPEC §4: keys and values quantised ~4-bit on the host, a ~2-bit copy of every
+            key on the device scores each token, the top `sparse_budget` tokens per KV head are fetched). In
+            YAKV mode `rank`, `outlier_chunks`, `chunk_size` and `local_window` do not apply; `sparse_budget`
+            counts tokens (not rounded to chunks) and defaults to `max(512, 3.125% of S)`, the same PCIe bytes
+            per step as ShadowKV's default at bf16.
+        host_grid_dim (`int`, *optional*, defaults to 2):
+            YAKV: grid dimension p of the host copy of keys and values, `8/p + 16/D` bits per value (2 -> ~4 bits).
+        score_grid_dim (`int`, *optional*, defaults to 4):
+            YAKV: grid dimension of the device copy of the keys that scores every token (4 -> ~2 bits).
+        recent_window (`int`, *optional*, defaults to 64):
+            YAKV: last prompt tokens kept exact on the device.
 
     >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
     8
@@ -78,6 +97,10 @@ class ShadowKVConfig:
     pin_memory: bool = True
     cuda_graphs: bool = True
     value_format: str = "native"
+    mode: str = "shadowkv"
+    host_grid_dim: int = 2
+    score_grid_dim: int = 4
+    recent_window: int = 64
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,8 +109,9 @@ class ShadowKVConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def validate(self, key_dim: int | None = None) -> None:
-        """Raise `ValueError` naming the bad field and the fix; `key_dim` (`Hkv*D`) checks the rank bound."""
+    def validate(self, key_dim: int | None = None, head_dim: int | None = None) -> None:
+        """Raise `ValueError` naming the bad field and the fix; `key_dim` (`Hkv*D`) checks the rank bound and
+        `head_dim` (`D`) what YAKV's quantiser needs."""
 
         def bad(name: str, value: object, fix: str) -> ValueError:
             return ValueError(f"ShadowKVConfig.{name}={value!r} is invalid: {fix}")
@@ -129,12 +153,46 @@ class ShadowKVConfig:
             raise bad("cuda_graphs", self.cuda_graphs, "use True or False.")
         if self.value_format not in VALUE_FORMATS:
             raise bad("value_format", self.value_format, f"use one of {', '.join(map(repr, VALUE_FORMATS))}.")
+        if self.mode not in MODES:
+            raise bad("mode", self.mode, f"use one of {MODES}.")
+        for name in ("host_grid_dim", "score_grid_dim"):
+            if getattr(self, name) not in _GRID_DIMS or isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), f"use one of {_GRID_DIMS} (~4 / 2 / 1 bits per value).")
+        if not isinstance(self.recent_window, int) or isinstance(self.recent_window, bool) or self.recent_window < 0:
+            raise bad("recent_window", self.recent_window, "use an int >= 0 (the YAKV study uses 64).")
+        if self.mode == "yakv":
+            for name in ("rank", "outlier_chunks"):
+                if getattr(self, name) is not None:
+                    raise bad(name, getattr(self, name), "YAKV mode has no low-rank keys or outliers; leave it None.")
+            if head_dim is not None:
+                for name in ("host_grid_dim", "score_grid_dim"):
+                    if head_dim & (head_dim - 1) or head_dim % getattr(self, name):
+                        raise bad(
+                            "mode",
+                            self.mode,
+                            f"YAKV's Hadamard quantiser needs a power-of-two head dim divisible by {name}="
+                            f"{getattr(self, name)}; this model's is {head_dim}. Use mode='shadowkv'.",
+                        )
 
     def resolve(self, num_tokens: int, key_dim: int) -> ResolvedSizes:
-        """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`."""
+        """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`.
+
+        In YAKV mode a "chunk" is one token: `num_chunks` counts the quantised tokens, `budget_chunks` the
+        tokens selected per KV head, `local` the exact recent tokens.
+        """
         c = self.chunk_size
         if num_tokens < self.min_compress_len:
             return ResolvedSizes(num_chunks=0, rank=0, budget_chunks=0, outliers=0, local=num_tokens)
+        if self.mode == "yakv":
+            local = min(self.recent_window, num_tokens)
+            quantised = num_tokens - local
+            if self.sparse_budget is None:
+                budget = max(_YAKV_BUDGET_FLOOR, math.ceil(_YAKV_BUDGET_SHARE * num_tokens))
+            elif isinstance(self.sparse_budget, float):
+                budget = math.ceil(self.sparse_budget * num_tokens)
+            else:
+                budget = self.sparse_budget
+            return ResolvedSizes(quantised, 0, min(budget, quantised), 0, local)
         # The ragged tail joins the local window, so every chunk is full.
         num_chunks = max(num_tokens - self.local_window, 0) // c
         local = num_tokens - num_chunks * c

@@ -252,15 +252,7 @@ class ShadowKVLayer(DynamicLayer):
             ],
             dim=-1,
         )  # [B, Hkv, T, N]
-        # GQA without copying K/V per query head: the G query heads of a KV head become G*T query rows.
-        groups = num_q_heads // num_kv_heads
-        dim = query.shape[-1]
-        folded = query.reshape(batch, num_kv_heads, groups * q_len, dim)
-        mask = mask.expand(-1, -1, groups, -1) if q_len == 1 else mask.repeat(1, 1, groups, 1)
-        # Not cuDNN: its attention rebuilds a graph for every new key count (2 ms of CPU per call measured).
-        with sdpa_kernel(_SPARSE_BACKENDS):
-            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-        return out.reshape(batch, num_q_heads, q_len, dim).transpose(1, 2).contiguous()
+        return grouped_attention(query, keys, values, mask, scaling)
 
     def _whole_prompt(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every selectable chunk, for a multi-token step: keys `[B, Hkv, Tc, D]` rebuilt from the factors at
@@ -296,6 +288,23 @@ class ShadowKVLayer(DynamicLayer):
         # The token buffer's whole capacity is held, not only the tokens in it.
         device = self.new.nbytes + self.prompt.device_nbytes + self.temporal.nbytes
         return device, self.prompt.values.nbytes, full
+
+
+def grouped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Exact attention of `query` `[B, Hq, T, D]` over `keys`/`values` `[B, Hkv, N, D]` where `mask`
+    (`[B, Hkv, T, N]` bool) allows; returns `[B, T, Hq, D]` like the Transformers attention functions."""
+    batch, num_q_heads, q_len, dim = query.shape
+    num_kv_heads = keys.shape[1]
+    # GQA without copying K/V per query head: the G query heads of a KV head become G*T query rows.
+    groups = num_q_heads // num_kv_heads
+    folded = query.reshape(batch, num_kv_heads, groups * q_len, dim)
+    mask = mask.expand(-1, -1, groups, -1) if q_len == 1 else mask.repeat(1, 1, groups, 1)
+    # Not cuDNN: its attention rebuilds a graph for every new key count (2 ms of CPU per call measured).
+    with sdpa_kernel(_SPARSE_BACKENDS):
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, num_q_heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 def real_tokens(attention_mask: torch.Tensor | None, batch: int, slots: int, device: torch.device) -> torch.Tensor:

@@ -56,6 +56,7 @@ FORMAT_VERSION = 1
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
+_MODE_FIELDS = ("mode", "host_grid_dim", "score_grid_dim", "recent_window")
 # Config entries that do not change the keys and values a model computes.
 _VOLATILE_CONFIG_KEYS = {
     "architectures", "bos_token_id", "dtype", "eos_token_id", "id2label", "label2id", "output_attentions",
@@ -407,6 +408,10 @@ def _check_config(
     """(the config the file was made with, the config asked for), after checking they shaped the same state."""
     fields = _field(meta, "shadowkv_config", dict, path)
     fields = {"value_format": "native", **fields}  # files written before value formats hold native values
+    # Files written before the YAKV fields (or a decode-time switch) existed are ShadowKV-mode files: those fields
+    # take their defaults.
+    defaults = dataclasses.asdict(ShadowKVConfig())
+    fields = {**{k: defaults[k] for k in (*_MODE_FIELDS, *DECODE_TIME_FIELDS) if k not in fields}, **fields}
     if sorted(fields) != sorted(ShadowKVConfig.field_names()):
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata has fields {sorted(fields)} (damaged?).")
     try:

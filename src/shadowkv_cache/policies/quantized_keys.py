@@ -1,0 +1,60 @@
+"""YAKV's token selection: every key scored from a ~2-bit HIGGS copy kept on the device.
+
+"KV-cache offloading for context-intensive tasks" (seed `kv-offloading-context-intensive-yakv.txt`, §3.2 and
+§4.3): no chunks and no landmarks; each key's quantised copy is scored against the query through a lookup
+table and the top tokens per KV head are fetched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.score_codes import score_codes
+from ..quant import HiggsQuantizer
+from .base import SelectionPolicy, grouped_query
+
+__all__ = ["QuantizedKeyTopK"]
+
+
+class QuantizedKeyTopK(SelectionPolicy):
+    """Scores each token by the attention its quantised key would get: softmax over the tokens of each query
+    head, summed over query tokens, max over the query heads of each GQA group (as ShadowKV's landmarks).
+
+    Args:
+        grid_dim (`int`, *optional*, defaults to 4): grid dimension of the scoring copy (4 -> ~2 bits per value).
+        seed (`int`, *optional*, defaults to 0): the quantiser's seed.
+    """
+
+    granularity = "token"
+
+    def __init__(self, grid_dim: int = 4, seed: int = 0):
+        self.grid_dim, self.seed = grid_dim, seed
+        self._quantizers: dict[int, HiggsQuantizer] = {}
+
+    def quantizer(self, head_dim: int) -> HiggsQuantizer:
+        """The scoring quantiser for head dim `head_dim` (made once)."""
+        if head_dim not in self._quantizers:
+            self._quantizers[head_dim] = HiggsQuantizer(head_dim, self.grid_dim, self.seed)
+        return self._quantizers[head_dim]
+
+    def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Codes `[B, Hkv, N, D/p]` and norms `[B, Hkv, N]` of the post-RoPE keys `[B, Hkv, N, 1, D]`."""
+        keys = chunk_keys.flatten(2, 3)
+        packed = self.quantizer(keys.shape[-1]).quantize(keys)
+        return {"codes": packed.codes, "norms": packed.norms}
+
+    def score(
+        self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        codes, norms = state["codes"], state["norms"]
+        batch, heads, num, _ = codes.shape
+        q = grouped_query(query, heads)  # [B, Hkv, G, T, D]
+        groups, q_len, dim = q.shape[2:]
+        quantizer = self.quantizer(dim)
+        # The query is rotated once per step; the table then scores every code of its KV head.
+        table = quantizer.lookup_table(quantizer.rotate(q.flatten(2, 3)))  # [B, Hkv, G*T, M, 256]
+        logits = score_codes(table, codes, norms, dim) * scaling  # [B, Hkv, G*T, N]
+        logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
+        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, q_len, num)
+        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, N]

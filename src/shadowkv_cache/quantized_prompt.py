@@ -1,0 +1,161 @@
+"""One layer's prompt in YAKV mode: quantised keys and values on the host, a scoring copy on the device (SPEC §4).
+
+Legend: B batch, S prompt slots (pads included), Hkv KV heads, D head dim, N quantised tokens (the longest
+row's), W exact recent tokens, E record bytes.
+
+Per row, the quantised tokens are the row's real tokens except its last `recent_window`, left-aligned in
+`[0, N)`; the recent ones stay exact, right-aligned in `[0, W)`. Rows shorter than `min_compress_len` keep
+all their tokens exact, so compressed and exact rows mix in one batch. Every padded slot is marked invalid,
+so pads are never scored nor attended. Keys are stored after RoPE: nothing is rebuilt at decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .config import ShadowKVConfig
+from .policies.base import SelectionPolicy
+from .quant import HiggsQuantizer
+from .quantized_store import QuantizedKVStore, pack_records
+
+__all__ = ["QuantizedPrompt", "quantize_prompt"]
+
+
+@dataclass
+class QuantizedPrompt:
+    """Tensors (first dim = batch row) that stand for one layer's prompt in YAKV mode.
+
+    Rows that hold one document (a prefix shared by several questions) are `expand` views of one copy: their
+    first dim has stride 0. Nothing here writes into these tensors.
+    """
+
+    policy_state: dict[str, torch.Tensor]  # e.g. scoring codes [B, Hkv, N, D/p] and norms [B, Hkv, N]
+    real: torch.Tensor  # [B, N] bool: quantised slots that hold a real token
+    budget_tokens: torch.Tensor  # [B] int64 tokens to select per KV head
+    budget_host: torch.Tensor  # [B] int64 the same on the CPU, for byte counts without a synchronisation
+    local_keys: torch.Tensor  # [B, Hkv, W, D] post-RoPE, right-aligned
+    local_values: torch.Tensor  # [B, Hkv, W, D]
+    local_valid: torch.Tensor  # [B, W] bool
+    store: QuantizedKVStore  # [rows, Hkv, N, E] in host memory
+    slots: int  # S: prompt length as `generate` counts it, pads included
+    max_budget_tokens: int  # K = max over rows of budget_tokens
+
+    _ROW_FIELDS = ("real", "budget_tokens", "local_keys", "local_values", "local_valid")
+
+    @property
+    def selectable(self) -> torch.Tensor:
+        """`[B, Hkv, N]` bool (a view): what the policy may select."""
+        return self.real[:, None, :].expand(-1, self.local_keys.shape[1], -1)
+
+    @property
+    def is_one_document(self) -> bool:
+        return self.real.shape[0] == 1 or self.real.stride(0) == 0
+
+    @property
+    def budget_total(self) -> int:
+        """Selected tokens per KV head summed over rows: what one sparse step fetches per head."""
+        return int(self.budget_host.sum())
+
+    def _with_rows(self, take, index: torch.Tensor) -> QuantizedPrompt:
+        """A copy whose device tensors are `take(tensor)` and whose host parts are rows `index` (`[B']`)."""
+        changes = {name: take(getattr(self, name)) for name in self._ROW_FIELDS}
+        changes["policy_state"] = {k: take(v) for k, v in self.policy_state.items()}
+        index = index.to("cpu")
+        return replace(self, store=self.store.select_rows(index), budget_host=self.budget_host[index], **changes)
+
+    def shared(self, batch_size: int) -> QuantizedPrompt:
+        """This one-document prompt for `batch_size` rows that share it (stride-0 views, one host copy)."""
+        if not self.is_one_document:
+            raise ValueError(f"Only a one-document prompt can be shared; this one has {self.real.shape[0]} rows.")
+        return self._with_rows(
+            lambda t: t[:1].expand(batch_size, *t.shape[1:]), torch.zeros(batch_size, dtype=torch.int64)
+        )
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedPrompt:
+        """The same prompt for cache rows `index` (`[B']`); host records are shared, not copied."""
+        if self.is_one_document:
+            return self.shared(len(index))
+        return self._with_rows(lambda t: t[index], index)
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes held on the device; rows shared through a stride-0 view count once."""
+        tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
+        return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Quantised real tokens over all rows (a shared document counts once per row, as each row reads it)."""
+        return int(self.real.sum())
+
+
+def quantize_prompt(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    real: torch.Tensor,
+    config: ShadowKVConfig,
+    policy: SelectionPolicy,
+    quantizer: HiggsQuantizer,
+    recent_queries: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> QuantizedPrompt | None:
+    """Quantise a prefilled prompt, or return `None` when no row is long enough.
+
+    Args:
+        keys (`torch.Tensor`): `[B, Hkv, S, D]` post-RoPE keys.
+        values (`torch.Tensor`): `[B, Hkv, S, D]`.
+        real (`torch.Tensor`): `[B, S]` bool, True on real tokens (a left-padded suffix of each row).
+        quantizer (`HiggsQuantizer`): the host grid (~4 bits) for keys and values.
+        recent_queries (`torch.Tensor`, *optional*): `[B, Hq, W, D]` the last prefill queries, for policies
+            with an observation window, with the attention `scaling`.
+    """
+    batch, heads, slots, dim = keys.shape
+    n_real = real.sum(dim=-1).tolist()
+    sizes = [config.resolve(n, heads * dim) for n in n_real]
+    num = max(s.num_chunks for s in sizes)
+    if num == 0:
+        return None
+    window = max(s.local for s in sizes)
+    device = keys.device
+    record_bytes = 2 * quantizer.num_subvectors + 4
+
+    records = torch.zeros((batch, heads, num, record_bytes), dtype=torch.uint8, device=device)
+    token_keys = keys.new_zeros((batch, heads, num, dim))
+    quantised = torch.zeros((batch, num), dtype=torch.bool, device=device)
+    local_keys = keys.new_zeros((batch, heads, window, dim))
+    local_values = values.new_zeros((batch, heads, window, dim))
+    local_valid = torch.zeros((batch, window), dtype=torch.bool, device=device)
+
+    for row, (n, size) in enumerate(zip(n_real, sizes)):
+        start, n_tok = slots - n, size.num_chunks
+        if size.local:
+            local_keys[row, :, window - size.local :] = keys[row, :, slots - size.local :]
+            local_values[row, :, window - size.local :] = values[row, :, slots - size.local :]
+            local_valid[row, window - size.local :] = True
+        if not n_tok:
+            continue
+        span = slice(start, start + n_tok)
+        row_keys = keys[row, :, span]
+        records[row, :, :n_tok] = pack_records(quantizer.quantize(row_keys), quantizer.quantize(values[row, :, span]))
+        token_keys[row, :, :n_tok] = row_keys
+        quantised[row, :n_tok] = True
+
+    units = token_keys[:, :, :, None]  # tokens as chunks of one, the policy interface's [B, Hkv, N, 1, D]
+    if policy.observation_window:
+        state = policy.prepare(units, recent_queries=recent_queries, scaling=scaling)
+    else:
+        state = policy.prepare(units)
+    return QuantizedPrompt(
+        policy_state=state,
+        real=quantised,
+        budget_tokens=torch.tensor([s.budget_chunks for s in sizes], dtype=torch.int64, device=device),
+        budget_host=torch.tensor([s.budget_chunks for s in sizes], dtype=torch.int64),
+        local_keys=local_keys,
+        local_values=local_values,
+        local_valid=local_valid,
+        store=QuantizedKVStore.offload(records, pin=config.pin_memory and device.type == "cuda"),
+        slots=slots,
+        max_budget_tokens=max(s.budget_chunks for s in sizes),
+    )

@@ -1,0 +1,99 @@
+"""Host-memory store of a YAKV prompt: ~4-bit keys and values, one record per (row, head, token) (SPEC §4).
+
+Legend: R stored rows, B cache rows, Hkv KV heads, N quantised tokens, M sub-vectors per head vector
+(D / host grid dim), K fetched tokens, E = 2*M + 4 record bytes.
+
+A record is `[key norm fp16 | value norm fp16 | key codes (M) | value codes (M)]`: everything one selected
+token needs, in one contiguous block, so a fetch moves one block per (row, head, token) (132 bytes at
+D = 128 with 4-bit codes). Cache rows reach stored rows through `row_map`, so reordering or repeating rows
+never copies records.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pinned_pool import pinned_pool
+from .quant import QuantizedVectors
+
+__all__ = ["QuantizedKVStore", "pack_records", "unpack_records"]
+
+_NORM_BYTES = 2
+
+
+def pack_records(keys: QuantizedVectors, values: QuantizedVectors) -> torch.Tensor:
+    """Records `[..., E]` uint8 from quantised keys and values (codes `[..., M]`, norms `[...]`)."""
+    return torch.cat(
+        [
+            keys.norms.contiguous()[..., None].view(torch.uint8),
+            values.norms.contiguous()[..., None].view(torch.uint8),
+            keys.codes,
+            values.codes,
+        ],
+        dim=-1,
+    )
+
+
+def unpack_records(records: torch.Tensor) -> tuple[QuantizedVectors, QuantizedVectors]:
+    """Quantised keys and values of records `[..., E]` (views where the layout allows)."""
+    records = records.contiguous()
+    m = (records.shape[-1] - 2 * _NORM_BYTES) // 2
+    norms = records[..., : 2 * _NORM_BYTES].view(torch.float16)  # [..., 2]
+    codes = records[..., 2 * _NORM_BYTES :]
+    return (
+        QuantizedVectors(codes[..., :m], norms[..., 0]),
+        QuantizedVectors(codes[..., m:], norms[..., 1]),
+    )
+
+
+class QuantizedKVStore:
+    """Records of one layer's quantised prompt tokens in host memory.
+
+    Args:
+        data (`torch.Tensor`): `[R, Hkv, N, E]` uint8 on the CPU (pinned when the model runs on CUDA).
+        row_map (`torch.Tensor`): `[B]` int64, the stored row behind each cache row.
+    """
+
+    def __init__(self, data: torch.Tensor, row_map: torch.Tensor):
+        if data.device.type != "cpu" or data.dtype != torch.uint8 or data.ndim != 4:
+            raise ValueError(
+                f"QuantizedKVStore holds uint8 [R, Hkv, N, E] host memory; got {data.dtype} {tuple(data.shape)} "
+                f"on {data.device}"
+            )
+        self.data, self.row_map = data, row_map
+
+    @classmethod
+    def offload(cls, records: torch.Tensor, pin: bool) -> QuantizedKVStore:
+        """Copy `records` (`[B, Hkv, N, E]` uint8, any device) to host memory, pinned (from the pool) if `pin`."""
+        if not pin:
+            data = records.to("cpu", copy=True).contiguous()
+        else:
+            try:
+                data = pinned_pool().allocate(records.shape, records.dtype)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"Could not pin {records.numel() / 2**30:.2f} GiB of host memory for the YAKV store. Free host "
+                    "memory, lower the batch size, or pass pin_memory=False (slower fetches)."
+                ) from err
+            data.copy_(records)
+        return cls(data, torch.arange(records.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def record_bytes(self) -> int:
+        """E: bytes moved per fetched (row, head, token)."""
+        return self.data.shape[-1]
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedKVStore:
+        """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
+        return QuantizedKVStore(self.data, self.row_map[index.to("cpu")])
+
+    def rows(self, count: int) -> torch.Tensor:
+        """Every record of the first `count` cache rows, `[count, Hkv, N, E]`: a view of the store when
+        `count == 1` (an index tensor would first copy the document on the host)."""
+        if count == 1:
+            return self.data[int(self.row_map[0])][None]
+        return self.data[self.row_map[:count]]
