@@ -86,63 +86,86 @@ __device__ __forceinline__ void landmark_logits_impl(float* logits, float* part_
 #pragma unroll
         for (int i = 0; i < LS_PER_THREAD; ++i) q[g][i] = to_f32(qh[(size_t)g * D + i]) * scaling;
 
-    float m[G], s[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) { m[g] = NEG_INF; s[g] = 0.f; }
-
     const T* lm_head = landmarks + (size_t)row * lm_row_stride + (size_t)head * C * D;
     const bool* sel = selectable + (size_t)row * sel_row_stride + (size_t)head * C;
     float* out = logits + ((size_t)row * Hkv + head) * (size_t)G * C;
+    // Several chunks per team in flight (the loads of all of them issue before any arithmetic), and no
+    // exponentials in this loop: it streams the landmarks and keeps only the running max.
+    constexpr int U = G <= 4 ? 4 : 2;
+    float mx[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) mx[g] = NEG_INF;
     // Uniform trip count per warp: the team shuffles below need every lane of the warp.
-    for (int base = c0; base < c1; base += teams) {
-        const int c = base + team_id;
-        const bool in = c < c1;
-        float lv[LS_PER_THREAD];
-        if (in) {
-            load16(lm_head + (size_t)c * D + lane_in_team * LS_PER_THREAD, lv);
-        } else {
+    for (int base = c0; base < c1; base += teams * U) {
+        float lv[U][LS_PER_THREAD];
 #pragma unroll
-            for (int i = 0; i < LS_PER_THREAD; ++i) lv[i] = 0.f;
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * teams + team_id;
+            if (c < c1) {
+                load16(lm_head + (size_t)c * D + lane_in_team * LS_PER_THREAD, lv[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < LS_PER_THREAD; ++i) lv[u][i] = 0.f;
+            }
         }
-        const bool ok = in && sel[c];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float dot = 0.f;
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * teams + team_id;
+            const bool in = c < c1;
+            const bool ok = in && sel[c];
 #pragma unroll
-            for (int i = 0; i < LS_PER_THREAD; ++i) dot += q[g][i] * lv[i];
-            for (int off = team / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off, team);
-            if (in && lane_in_team == 0) {
-                const float logit = ok ? dot : NEG_INF;
-                out[(size_t)g * C + c] = logit;
-                merge_state(m[g], s[g], logit, 1.f);
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < LS_PER_THREAD; ++i) dot += q[g][i] * lv[u][i];
+                for (int off = team / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off, team);
+                if (in && lane_in_team == 0) {
+                    const float logit = ok ? dot : NEG_INF;
+                    out[(size_t)g * C + c] = logit;
+                    mx[g] = fmaxf(mx[g], logit);
+                }
             }
         }
     }
 
-    // Block-wide merge of the per-team states (lane 0 of each team holds them).
-    __shared__ float sm[G][LS_THREADS], ss[G][LS_THREADS];
+    // The tile's max per query head, then its sum of exp(logit - max) from the logits just written (this block's
+    // own writes, visible after the barrier, read back from L1/L2).
+    __shared__ float red[G][LS_THREADS];
+    __shared__ float tile_max[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        sm[g][threadIdx.x] = lane_in_team == 0 ? m[g] : NEG_INF;
-        ss[g][threadIdx.x] = lane_in_team == 0 ? s[g] : 0.f;
-    }
+    for (int g = 0; g < G; ++g) red[g][threadIdx.x] = mx[g];
     __syncthreads();
     for (int stride = LS_THREADS / 2; stride > 0; stride >>= 1) {
         if (threadIdx.x < stride) {
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float mm = sm[g][threadIdx.x], s2 = ss[g][threadIdx.x];
-                merge_state(mm, s2, sm[g][threadIdx.x + stride], ss[g][threadIdx.x + stride]);
-                sm[g][threadIdx.x] = mm;
-                ss[g][threadIdx.x] = s2;
-            }
+            for (int g = 0; g < G; ++g) red[g][threadIdx.x] = fmaxf(red[g][threadIdx.x], red[g][threadIdx.x + stride]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < G) tile_max[threadIdx.x] = red[threadIdx.x][0];
+    __syncthreads();
+    float sum[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) sum[g] = 0.f;
+    for (int c = c0 + threadIdx.x; c < c1; c += LS_THREADS) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            if (tile_max[g] != NEG_INF) sum[g] += __expf(out[(size_t)g * C + c] - tile_max[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) red[g][threadIdx.x] = sum[g];
+    __syncthreads();
+    for (int stride = LS_THREADS / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) red[g][threadIdx.x] += red[g][threadIdx.x + stride];
         }
         __syncthreads();
     }
     if (threadIdx.x < G) {
         const size_t p = (((size_t)row * Hkv + head) * G + threadIdx.x) * n_tiles + blockIdx.x;
-        part_max[p] = sm[threadIdx.x][0];
-        part_sum[p] = ss[threadIdx.x][0];
+        part_max[p] = tile_max[threadIdx.x];
+        part_sum[p] = red[threadIdx.x][0];
     }
 }
 
