@@ -11,7 +11,7 @@
 #include "common.cuh"
 
 #define LS_THREADS 256
-#define LS_PER_THREAD 16  // head-dim elements each thread of a chunk's team reads
+#define LS_PER_THREAD 8  // head-dim elements each thread of a chunk's team reads (one 16-byte load in 16-bit types)
 #define NEG_INF __int_as_float(0xff800000u)
 
 /// \brief Online (max, sum of exp) of two partial softmax states.
@@ -23,43 +23,50 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
     m = hi;
 }
 
-/// \brief 16 consecutive elements as fp32, with 16-byte loads (the address is 32-byte aligned: D % 16 == 0).
-__device__ __forceinline__ void load16(const bf16* p, float* out) {
+/// \brief 8 elements of T held as raw 16-byte words (one for 16-bit types, two for fp32), converted to fp32 when
+/// used: a thread keeps several chunks' loads in flight without holding them as floats.
+template <typename T> struct Raw8 { uint4 w[sizeof(T) / 2]; };
+
+template <typename T> __device__ __forceinline__ Raw8<T> load8(const T* p) {
+    Raw8<T> r;
     const uint4* v = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const uint4 w = v[k];
-        const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    for (int k = 0; k < (int)(sizeof(T) / 2); ++k) r.w[k] = v[k];
+    return r;
+}
+template <typename T> __device__ __forceinline__ Raw8<T> zero8() {
+    Raw8<T> r;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            out[k * 8 + 2 * j] = __uint_as_float(words[j] << 16);
-            out[k * 8 + 2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
-        }
+    for (int k = 0; k < (int)(sizeof(T) / 2); ++k) r.w[k] = make_uint4(0u, 0u, 0u, 0u);
+    return r;
+}
+__device__ __forceinline__ void to_f32x8(const Raw8<bf16>& r, float* out) {
+    const unsigned int words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        out[2 * j] = __uint_as_float(words[j] << 16);
+        out[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
     }
 }
-__device__ __forceinline__ void load16(const f16* p, float* out) {
-    const uint4* v = reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void to_f32x8(const Raw8<f16>& r, float* out) {
+    const unsigned int words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const uint4 w = v[k];
-        const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            out[k * 8 + 2 * j] = to_f32(f16{(unsigned short)(words[j] & 0xffffu)});
-            out[k * 8 + 2 * j + 1] = to_f32(f16{(unsigned short)(words[j] >> 16)});
-        }
+    for (int j = 0; j < 4; ++j) {
+        out[2 * j] = to_f32(f16{(unsigned short)(words[j] & 0xffffu)});
+        out[2 * j + 1] = to_f32(f16{(unsigned short)(words[j] >> 16)});
     }
 }
-__device__ __forceinline__ void load16(const float* p, float* out) {
-    const float4* v = reinterpret_cast<const float4*>(p);
+__device__ __forceinline__ void to_f32x8(const Raw8<float>& r, float* out) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float4 w = v[k];
-        out[4 * k] = w.x; out[4 * k + 1] = w.y; out[4 * k + 2] = w.z; out[4 * k + 3] = w.w;
+    for (int k = 0; k < 2; ++k) {
+        out[4 * k] = __uint_as_float(r.w[k].x);
+        out[4 * k + 1] = __uint_as_float(r.w[k].y);
+        out[4 * k + 2] = __uint_as_float(r.w[k].z);
+        out[4 * k + 3] = __uint_as_float(r.w[k].w);
     }
 }
 
-/// \brief Pass 1. One block per (tile of chunks, KV head, row); a team of D/16 threads per chunk.
+/// \brief Pass 1. One block per (tile of chunks, KV head, row); a team of D/8 threads per chunk.
 ///
 /// \param logits    [B, Hkv, G, C] fp32, out: scaling * q_g . L_c, -inf where not selectable
 /// \param part_max  [B, Hkv, G, N] fp32, out: max of each tile's logits
@@ -74,7 +81,7 @@ __device__ __forceinline__ void landmark_logits_impl(float* logits, float* part_
                                                      const bool* selectable, long long sel_row_stride, float scaling,
                                                      int Hkv, int C, int D, int tile) {
     const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
-    const int team = D / LS_PER_THREAD;  // threads per chunk: a power of two dividing 32
+    const int team = D / LS_PER_THREAD;  // threads per chunk: a power of two dividing 32 (D = 64: 8, 128: 16)
     const int lane_in_team = threadIdx.x % team, team_id = threadIdx.x / team, teams = LS_THREADS / team;
     const int c0 = blockIdx.x * tile, c1 = min(C, c0 + tile);
 
@@ -89,35 +96,33 @@ __device__ __forceinline__ void landmark_logits_impl(float* logits, float* part_
     const T* lm_head = landmarks + (size_t)row * lm_row_stride + (size_t)head * C * D;
     const bool* sel = selectable + (size_t)row * sel_row_stride + (size_t)head * C;
     float* out = logits + ((size_t)row * Hkv + head) * (size_t)G * C;
-    // Several chunks per team in flight (the loads of all of them issue before any arithmetic), and no
-    // exponentials in this loop: it streams the landmarks and keeps only the running max.
-    constexpr int U = G <= 4 ? 4 : 2;
+    // Eight chunks' loads (four in fp32) in flight per thread, issued before any arithmetic, and no exponentials
+    // in this loop: it streams the landmarks and keeps only the running max. (Holding them as floats, or the
+    // query in 16 registers per head, cost occupancy and halved the bandwidth on an H200.)
+    constexpr int U = 16 / (int)sizeof(T) >= 8 ? 8 : 4;
     float mx[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) mx[g] = NEG_INF;
     // Uniform trip count per warp: the team shuffles below need every lane of the warp.
     for (int base = c0; base < c1; base += teams * U) {
-        float lv[U][LS_PER_THREAD];
+        Raw8<T> raw[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = base + u * teams + team_id;
-            if (c < c1) {
-                load16(lm_head + (size_t)c * D + lane_in_team * LS_PER_THREAD, lv[u]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < LS_PER_THREAD; ++i) lv[u][i] = 0.f;
-            }
+            raw[u] = c < c1 ? load8(lm_head + (size_t)c * D + lane_in_team * LS_PER_THREAD) : zero8<T>();
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = base + u * teams + team_id;
             const bool in = c < c1;
             const bool ok = in && sel[c];
+            float lv[LS_PER_THREAD];
+            to_f32x8(raw[u], lv);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float dot = 0.f;
 #pragma unroll
-                for (int i = 0; i < LS_PER_THREAD; ++i) dot += q[g][i] * lv[u][i];
+                for (int i = 0; i < LS_PER_THREAD; ++i) dot += q[g][i] * lv[i];
                 for (int off = team / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off, team);
                 if (in && lane_in_team == 0) {
                     const float logit = ok ? dot : NEG_INF;

@@ -18,7 +18,7 @@ from ..kernel_loader import kernels_available, load_kernels
 __all__ = ["landmark_scores", "landmark_scores_reference"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_THREADS, _PER_THREAD = 256, 16
+_THREADS, _PER_THREAD = 256, 8
 _MAX_GROUP = 8
 
 
