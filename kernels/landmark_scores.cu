@@ -12,16 +12,6 @@
 
 #define LS_THREADS 256
 #define LS_PER_THREAD 16  // head-dim elements each thread of a chunk's team reads
-#define NEG_INF __int_as_float(0xff800000u)
-
-/// \brief Online (max, sum of exp) of two partial softmax states.
-__device__ __forceinline__ void merge_state(float& m, float& s, float m2, float s2) {
-    if (m2 == NEG_INF) return;
-    if (m == NEG_INF) { m = m2; s = s2; return; }
-    const float hi = fmaxf(m, m2);
-    s = s * __expf(m - hi) + s2 * __expf(m2 - hi);
-    m = hi;
-}
 
 /// \brief 16 consecutive elements as fp32, with 16-byte loads (the address is 32-byte aligned: D % 16 == 0).
 __device__ __forceinline__ void load16(const bf16* p, float* out) {
