@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import generate_with, make_tiny_model, random_prompt
 
+from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.kernel_loader import kernels_available
 from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
+from shadowkv_cache.ops.score_codes import code_scores, code_scores_reference
 from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.quantized_store import QuantizedKVStore, pack_records
 
@@ -99,3 +102,75 @@ def test_gather_dequant_kernel_handles_an_empty_selection():
     store = pinned_store(2, 2, 10, quantizer)
     keys, values = gather_dequant(store, torch.zeros(2, 2, 0, dtype=torch.int64, device=CUDA), quantizer, torch.float16)
     assert keys.shape == values.shape == (2, 2, 0, 64)
+
+
+def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes `[R, Hkv, N, M]` and norms `[R, Hkv, N]` of keys with a few large ones (peaked softmaxes)."""
+    keys = torch.randn(rows, heads, num, quantizer.head_dim, device=CUDA)
+    keys[..., ::37, :] *= 6
+    packed = quantizer.quantize(keys)
+    return packed.codes, packed.norms
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, num, dim, grid_dim",
+    [
+        (2, 8, 4, 16381, 128, 4),
+        (3, 3, 3, 700, 64, 4),
+        (1, 2, 8, 5000, 128, 2),
+        (2, 2, 5, 513, 128, 8),
+        (4, 2, 1, 37, 64, 2),
+        (1, 1, 4, 3000, 256, 2),
+        (2, 4, 2, 1031, 64, 8),
+    ],
+)
+def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim):
+    """Softmax over tokens of the code logits, max over the group. The kernel sums the dot products in another
+    order than the twin's table and uses `__expf`: ~1e-5 relative, well inside 1e-3."""
+    torch.manual_seed(0)
+    quantizer = HiggsQuantizer(dim, grid_dim)
+    codes, norms = scoring_state(batch, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
+    real = torch.rand(batch, num, device=CUDA) < 0.9
+    real[0] = False  # a row with nothing selectable scores 0 everywhere
+    selectable = real[:, None, :].expand(-1, kv_heads, -1)  # the layer's own view: head stride 0
+    scaling = dim**-0.5
+    got = code_scores(query, codes, norms, selectable, quantizer, scaling)
+    want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    assert got.shape == want.shape == (batch, kv_heads, num)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
+    assert got[0].eq(0).all()
+    assert got[~selectable].eq(0).all()
+    # The ranking the policy takes from it: the top tokens agree (ties aside).
+    k = max(1, num // 50)
+    top_got = got[1:].topk(k, dim=-1).indices.sort(-1).values
+    top_want = want[1:].topk(k, dim=-1).indices.sort(-1).values
+    assert (top_got == top_want).float().mean() > 0.99
+
+
+def test_code_scores_kernel_reads_a_shared_document_in_place():
+    torch.manual_seed(1)
+    batch, kv_heads, group, num, dim = 3, 8, 4, 2000, 128
+    quantizer = HiggsQuantizer(dim, 4)
+    codes, norms = scoring_state(1, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
+    selectable = (torch.rand(1, num, device=CUDA) < 0.9)[:, None, :].expand(batch, kv_heads, -1)
+    expand = lambda t: t.expand(batch, *t.shape[1:])  # noqa: E731
+    shared = code_scores(query, expand(codes), expand(norms), selectable, quantizer, 0.1)
+    private = code_scores(
+        query, expand(codes).contiguous(), expand(norms).contiguous(), selectable.contiguous(), quantizer, 0.1
+    )
+    assert torch.equal(shared, private)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, monkeypatch):
+    """A real selection (24 of ~236 tokens per KV head) through `generate`, kernels against twins."""
+    ids = random_prompt(301).to(CUDA)
+    model = make_tiny_model(arch).to(CUDA)
+    config = {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}
+    with_kernels = generate_with(model, ids, ShadowKVCache(model, **config))
+    monkeypatch.setenv("SHADOWKV_KERNELS", "0")
+    twins = generate_with(model, ids, ShadowKVCache(model, **config))
+    assert torch.equal(with_kernels.sequences, twins.sequences)
+    torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
