@@ -141,11 +141,12 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
     assert got[0].eq(0).all()
     assert got[~selectable].eq(0).all()
-    # The ranking the policy takes from it: the top tokens agree (ties aside).
+    # The ranking the policy takes from it: every token the kernel's top-k picks is, by the twin's scores, as
+    # good as the twin's own k-th best up to the tolerance above (only near-ties may swap).
     k = max(1, num // 50)
-    top_got = got[1:].topk(k, dim=-1).indices.sort(-1).values
-    top_want = want[1:].topk(k, dim=-1).indices.sort(-1).values
-    assert (top_got == top_want).float().mean() > 0.99
+    picked = want[1:].gather(-1, got[1:].topk(k, dim=-1).indices)
+    kth = want[1:].topk(k, dim=-1).values[..., -1:]
+    assert bool((picked >= kth * (1 - 1e-3) - 1e-6 * want.amax()).all())
 
 
 def test_code_scores_kernel_reads_a_shared_document_in_place():
