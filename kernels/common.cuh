@@ -70,3 +70,44 @@ __device__ __forceinline__ int block_exclusive_scan(int* data, int n, int* warp_
     __syncthreads();
     return total;
 }
+
+// ---- softmax states (landmark_scores.cu, score_codes.cu) -------------------------------------------------------
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+/// \brief Online (max, sum of exp) of two partial softmax states.
+__device__ __forceinline__ void merge_state(float& m, float& s, float m2, float s2) {
+    if (m2 == NEG_INF) return;
+    if (m == NEG_INF) { m = m2; s = s2; return; }
+    const float hi = fmaxf(m, m2);
+    s = s * __expf(m - hi) + s2 * __expf(m2 - hi);
+    m = hi;
+}
+
+// ---- Walsh-Hadamard transform across a warp (gather_dequant.cu, higgs_quantize.cu) ------------------------------
+
+/// \brief Unnormalised Walsh-Hadamard transform (natural order) of a vector of `lanes * EPL` coordinates held
+/// by the warp: lane `l` holds coordinates `l*EPL .. l*EPL + EPL - 1` in `x`. Lanes at or above `lanes` (when
+/// the vector is shorter than a warp) hold zeros and must still call. The butterflies are those of
+/// gather_values.cu's shared-memory transform, pair (i, i + h) -> (a + b, a - b), so both give the same bits.
+template <int EPL>
+__device__ __forceinline__ void warp_hadamard(float (&x)[EPL], int lanes) {
+#pragma unroll
+    for (int h = 1; h < EPL; h <<= 1) {
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            if (j & h) continue;
+            const float a = x[j], b = x[j + h];
+            x[j] = a + b;
+            x[j + h] = a - b;
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    for (int mask = 1; mask < lanes; mask <<= 1) {  // coordinate distance h = mask * EPL
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[j], mask);
+            x[j] = (lane & mask) ? other - x[j] : x[j] + other;
+        }
+    }
+}

@@ -12,16 +12,6 @@
 
 #define LS_THREADS 256
 #define LS_PER_THREAD 8  // head-dim elements each thread of a chunk's team reads (one 16-byte load in 16-bit types)
-#define NEG_INF __int_as_float(0xff800000u)
-
-/// \brief Online (max, sum of exp) of two partial softmax states.
-__device__ __forceinline__ void merge_state(float& m, float& s, float m2, float s2) {
-    if (m2 == NEG_INF) return;
-    if (m == NEG_INF) { m = m2; s = s2; return; }
-    const float hi = fmaxf(m, m2);
-    s = s * __expf(m - hi) + s2 * __expf(m2 - hi);
-    m = hi;
-}
 
 /// \brief 8 elements of T held as raw 16-byte words (one for 16-bit types, two for fp32), converted to fp32 when
 /// used: a thread keeps several chunks' loads in flight without holding them as floats.

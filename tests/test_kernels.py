@@ -203,9 +203,15 @@ def compressed_cuda_cache(arch="llama", dtype=torch.float32, **changes):
     return model, cache
 
 
-@pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])
-def test_decode_step_does_not_synchronise_with_the_host(value_format):
-    model, cache = compressed_cuda_cache(value_format=value_format)
+@pytest.mark.parametrize("mode, value_format", [("shadowkv", "native"), ("shadowkv", "fp8"), ("shadowkv", "higgs4"),
+                                                ("yakv", None)])  # fmt: skip
+def test_decode_step_does_not_synchronise_with_the_host(mode, value_format):
+    if mode == "yakv":  # scores from the device codes, gathers the selected records from pinned memory in place
+        model = make_tiny_model("llama").to(CUDA)
+        cache = ShadowKVCache(model, mode="yakv", sparse_budget=24, min_compress_len=64)
+        forward_with(model, random_prompt(301).to(CUDA), cache)
+    else:
+        model, cache = compressed_cuda_cache(value_format=value_format)
     layer = cache.layers[0]
     assert layer.is_compressed
     heads, dim = model.config.num_attention_heads, model.config.head_dim
@@ -221,7 +227,10 @@ def test_decode_step_does_not_synchronise_with_the_host(value_format):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert out.shape == (1, 1, heads, dim) and torch.isfinite(out).all()
-    assert int(layer.temporal.lookups) > 0
+    if mode == "yakv":
+        assert layer.sparse_steps == 3 and layer.prompt.store.data.is_pinned()
+    else:
+        assert int(layer.temporal.lookups) > 0
 
 
 @pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])

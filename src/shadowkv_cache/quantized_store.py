@@ -61,6 +61,8 @@ class QuantizedKVStore:
                 f"on {data.device}"
             )
         self.data, self.row_map = data, row_map
+        self._device_row_map: torch.Tensor | None = None
+        self._device_pointer: int | None = None
 
     @classmethod
     def offload(cls, records: torch.Tensor, pin: bool) -> QuantizedKVStore:
@@ -76,7 +78,10 @@ class QuantizedKVStore:
                     "memory, lower the batch size, or pass pin_memory=False (slower fetches)."
                 ) from err
             data.copy_(records)
-        return cls(data, torch.arange(records.shape[0]))
+        store = cls(data, torch.arange(records.shape[0]))
+        if records.device.type == "cuda":  # made here, so that a decode step never copies it from the host
+            store._device_row_map = torch.arange(records.shape[0], device=records.device)
+        return store
 
     @property
     def nbytes(self) -> int:
@@ -87,9 +92,27 @@ class QuantizedKVStore:
         """E: bytes moved per fetched (row, head, token)."""
         return self.data.shape[-1]
 
+    def device_pointer(self) -> int:
+        """The device-visible address of the pinned `data` (for the zero-copy kernel; needs cuda-python)."""
+        if self._device_pointer is None:
+            from .kernel_loader import host_device_pointer
+
+            self._device_pointer = host_device_pointer(self.data)
+        return self._device_pointer
+
+    def device_row_map(self, device: torch.device) -> torch.Tensor:
+        """`row_map` on `device`, copied once."""
+        if self._device_row_map is None or self._device_row_map.device != device:
+            self._device_row_map = self.row_map.to(device)
+        return self._device_row_map
+
     def select_rows(self, index: torch.Tensor) -> QuantizedKVStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        return QuantizedKVStore(self.data, self.row_map[index.to("cpu")])
+        out = QuantizedKVStore(self.data, self.row_map[index.to("cpu")])
+        if self._device_row_map is not None:
+            out._device_row_map = self._device_row_map[index.to(self._device_row_map.device)]
+        out._device_pointer = self._device_pointer
+        return out
 
     def rows(self, count: int) -> torch.Tensor:
         """Every record of the first `count` cache rows, `[count, Hkv, N, E]`: a view of the store when

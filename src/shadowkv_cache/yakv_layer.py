@@ -61,6 +61,7 @@ class YakvLayer(ShadowKVLayer):
 
     def fork(self, batch_size: int) -> YakvLayer:
         layer = YakvLayer(self.config, self.policy, self.rope)
+        layer._quantizer = self._quantizer  # its tables are already on the device: no copy at the first step
         if self.is_initialized:
             shape = (batch_size, *self.keys.shape[1:])
             prompt = self.prompt.shared(batch_size) if self.prompt is not None else None

@@ -2,19 +2,28 @@
 
 Legend: B batch, Hkv KV heads, K selected tokens per head, N stored tokens, E record bytes, D head dim.
 
-This is the PyTorch twin that defines the meaning (and the CPU path): it indexes the store on the host
-(which needs the ids there: one synchronisation per call on CUDA), copies the records to the device and
-dequantises them. A zero-copy kernel reading the pinned records in place is the planned CUDA twin.
+`gather_dequant_reference` is the definition (and the CPU path): it indexes the store on the host (which needs
+the ids there: one synchronisation per call on CUDA), copies the records to the device and dequantises them.
+On CUDA with a pinned store, `kernels/gather_dequant.cu` reads each selected record in place through its
+device-visible address (zero copy, ids stay on the device, no synchronisation) and decodes it on the way:
+only the ~4-bit records cross PCIe.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer
 from ..quantized_store import QuantizedKVStore, unpack_records
 
-__all__ = ["gather_dequant", "gather_records", "dequant_records"]
+__all__ = ["dequant_records", "gather_dequant", "gather_dequant_reference", "gather_records"]
+
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_DIM = 256  # 8 coordinates per lane; the kernel's record buffer holds (D + 4) bytes at most
+_WARPS = 8  # records per block
 
 
 def gather_records(store: QuantizedKVStore, ids: torch.Tensor) -> torch.Tensor:
@@ -36,12 +45,74 @@ def dequant_records(
     return quantizer.dequantize(keys, dtype), quantizer.dequantize(values, dtype)
 
 
+def gather_dequant_reference(
+    store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch twin of `gather_dequant` (synchronises on CUDA)."""
+    return dequant_records(gather_records(store, ids), quantizer, dtype)
+
+
 def gather_dequant(
     store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values `[B, Hkv, K, D]` in `dtype`, on `ids.device`, of the stored tokens `ids` `[B, Hkv, K]`.
 
     Cache row `b` reads stored row `store.row_map[b]`; `quantizer` is the host grid's (the one that made the
-    records).
+    records). The kernel's inverse rotation sums in another order than the twin's matmul: equal to float32
+    round-off before the one rounding to `dtype`.
     """
-    return dequant_records(gather_records(store, ids), quantizer, dtype)
+    batch, heads, k = ids.shape
+    dim = quantizer.head_dim
+    if not _kernel_fits(store, ids, quantizer, dtype):
+        return gather_dequant_reference(store, ids, quantizer, dtype)
+    keys = torch.empty((batch, heads, k, dim), dtype=dtype, device=ids.device)
+    values = torch.empty_like(keys)
+    total = batch * heads * k
+    if not total:
+        return keys, values
+    data = store.data
+    record = data.shape[-1]
+    host = store.device_pointer()
+    row_stride, head_stride = data.stride(0), data.stride(1)  # bytes: uint8
+    grid, signs = quantizer.device_tables(ids.device)
+    per_lane = max(1, dim // 32)
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    load_kernels("gather_dequant", ids.device).launch(
+        f"gather_dequant_{_KERNEL_DTYPES[dtype]}_e{per_lane}",
+        grid=(-(-total // _WARPS), 1, 1),
+        block=(32 * _WARPS, 1, 1),
+        args=[
+            keys,
+            values,
+            ids.contiguous(),
+            (host, ctypes.c_void_p),
+            store.device_row_map(ids.device),
+            (row_stride, i64),
+            (head_stride, i64),
+            (heads, i32),
+            (k, i32),
+            (total, i64),
+            (dim, i32),
+            (quantizer.grid_dim, i32),
+            (record, i32),
+            (int(all(x % 4 == 0 for x in (host, row_stride, head_stride, record))), i32),
+            grid,
+            signs,
+        ],
+    )
+    return keys, values
+
+
+def _kernel_fits(store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype) -> bool:
+    """Whether the kernel handles this fetch (CUDA, pinned store with token-major records, D <= 256)."""
+    data = store.data
+    return (
+        kernels_available(ids.device)
+        and dtype in _KERNEL_DTYPES
+        and ids.dtype == torch.int64
+        and data.is_pinned()
+        and data.stride()[2:] == (data.shape[-1], 1)
+        and data.shape[-1] == 2 * quantizer.num_subvectors + 4
+        and quantizer.head_dim <= _MAX_DIM
+        and len(store.row_map) >= ids.shape[0]
+    )

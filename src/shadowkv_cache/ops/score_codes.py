@@ -1,21 +1,30 @@
 """Query-key dot products from quantised keys through a lookup table (YAKV token scoring).
 
-Legend: B batch, Hkv KV heads, Q query rows per KV head (query heads of the group x query tokens), N tokens,
-M sub-vectors per key, 256 grid points.
+Legend: B batch, Hq/Hkv query/KV heads, G = Hq/Hkv, T query tokens, Q query rows per KV head (G x T), N tokens,
+M sub-vectors per key, p grid dim, D head dim, 256 grid points.
 
 `table[b, h, q, m, j]` is the dot of sub-vector `m` of rotated query row `q` with grid point `j`
 (`HiggsQuantizer.lookup_table`), so `q . k_hat = norm(k) / sqrt(D) * sum_m table[q, m, code(k)_m]`. This is
 the PyTorch twin that defines the meaning; it works on blocks of tokens so that the gathered `[N, M, Q]`
 block stays bounded whatever N.
+
+`code_scores` is what `QuantizedKeyTopK` ranks tokens by: the softmax over tokens of those logits, summed over
+query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it; for one query
+token on CUDA, `kernels/score_codes.cu` reads the codes once and writes fp32 logits with per-tile softmax
+states, and `landmark_softmax_max` (landmark_scores.cu) normalises them and takes the group max.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
-__all__ = ["score_codes"]
+from ..kernel_loader import kernels_available, load_kernels
+from ..quant import HiggsQuantizer
+
+__all__ = ["code_scores", "code_scores_reference", "score_codes"]
 
 # Elements of the gathered block per step: 2^24 float32 = 64 MiB.
 _BLOCK_ELEMENTS = 1 << 24
@@ -46,3 +55,123 @@ def score_codes(table: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, h
         out[:, :, start : start + n] = dots
     out *= (norms.float() / math.sqrt(head_dim))[..., None]
     return out.transpose(2, 3)
+
+
+def code_scores_reference(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    quantizer: HiggsQuantizer,
+    scaling: float,
+) -> torch.Tensor:
+    """`[B, Hkv, N]` fp32: `max_g sum_t softmax_n(scaling * q_{g,t} . k_hat_n)` over selectable tokens, 0 elsewhere.
+
+    Args:
+        query (`torch.Tensor`): `[B, Hq, T, D]`, any float dtype.
+        codes (`torch.Tensor`): `[B, Hkv, N, M]` uint8 scoring codes (`quantizer`'s); stride-0 rows allowed.
+        norms (`torch.Tensor`): `[B, Hkv, N]` fp16 key norms.
+        selectable (`torch.Tensor`): `[B, Hkv, N]` bool.
+        quantizer (`HiggsQuantizer`): the scoring grid's quantiser (head dim D).
+    """
+    batch, heads, num, _ = codes.shape
+    q_heads, q_len, dim = query.shape[1:]
+    groups = q_heads // heads
+    q = query.reshape(batch, heads, groups * q_len, dim)  # rows g*T + t of each KV head
+    # The query is rotated once per step; the table then scores every code of its KV head.
+    table = quantizer.lookup_table(quantizer.rotate(q))  # [B, Hkv, G*T, M, 256]
+    logits = score_codes(table, codes, norms, dim) * scaling  # [B, Hkv, G*T, N]
+    logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
+    # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, q_len, num)
+    return probs.sum(dim=3).amax(dim=2)
+
+
+_MAX_GROUP = 8
+_MAX_DIM = 256
+_THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
+
+
+def _codes_per_thread(group: int, grid_dim: int) -> int:
+    """Codes one kernel thread reads per token (`CodesPerThread` in score_codes.cu): <= 64 query registers."""
+    budget = 64 // (group * grid_dim)
+    return next((n for n in (16, 8, 4, 2) if budget >= n), 1)
+
+
+def code_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    quantizer: HiggsQuantizer,
+    scaling: float,
+) -> torch.Tensor:
+    """Same as `code_scores_reference`; the kernels for one query token on CUDA, the twin otherwise.
+
+    The kernel sums each dot product in another order than the twin's table (fp32 round-off of a D-term sum)
+    and exponentiates with `__expf`: equal to ~1e-5 relative.
+    """
+    batch, heads, num, m = codes.shape
+    q_heads, q_len, dim = query.shape[1:]
+    group = q_heads // heads
+    p = quantizer.grid_dim
+    cpt = _codes_per_thread(max(group, 1), p)
+    if not (
+        kernels_available(query.device)
+        and q_len == 1
+        and 1 <= group <= _MAX_GROUP
+        and q_heads == group * heads
+        and dim == quantizer.head_dim <= _MAX_DIM
+        and m == quantizer.num_subvectors
+        and m % cpt == 0
+        and m // cpt <= 32
+        and num > 0
+        and codes.dtype == torch.uint8
+        and codes.stride()[1:] == (num * m, m, 1)
+        and all(x % cpt == 0 for x in (codes.data_ptr(), codes.stride(0)))
+        and norms.dtype == torch.float16
+        and norms.stride()[1:] == (num, 1)
+        and selectable.dtype == torch.bool
+        and selectable.stride(2) == 1
+    ):
+        return code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    rotated = quantizer.rotate(query.reshape(batch, heads, group, dim)).contiguous()  # [B, Hkv, G, D] fp32
+    grid, _ = quantizer.device_tables(query.device)
+    tiles = -(-num // _TILE)
+    logits = torch.empty((batch, heads, group, num), dtype=torch.float32, device=query.device)
+    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=query.device)
+    part_sum = torch.empty_like(part_max)
+    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=query.device)
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    load_kernels("score_codes", query.device).launch(
+        f"code_logits_p{p}_g{group}",
+        grid=(tiles, heads, batch),
+        block=(_THREADS, 1, 1),
+        args=[
+            logits,
+            part_max,
+            part_sum,
+            rotated,
+            codes,
+            (codes.stride(0), i64),
+            norms,
+            (norms.stride(0), i64),
+            selectable,
+            (selectable.stride(0), i64),
+            (selectable.stride(1), i64),
+            grid,
+            (float(scaling), ctypes.c_float),
+            (math.sqrt(dim), ctypes.c_float),
+            (heads, i32),
+            (num, i32),
+            (m, i32),
+            (_TILE, i32),
+        ],
+    )
+    load_kernels("landmark_scores", query.device).launch(
+        "landmark_softmax_max",
+        grid=(-(-num // _SOFTMAX_TILE), heads, batch),
+        block=(_THREADS, 1, 1),
+        args=[scores, logits, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
+    )
+    return scores

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.score_codes import score_codes
+from ..ops.score_codes import code_scores
 from ..quant import HiggsQuantizer
-from .base import SelectionPolicy, grouped_query
+from .base import SelectionPolicy
 
 __all__ = ["QuantizedKeyTopK"]
 
@@ -46,15 +46,4 @@ class QuantizedKeyTopK(SelectionPolicy):
     def score(
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
-        codes, norms = state["codes"], state["norms"]
-        batch, heads, num, _ = codes.shape
-        q = grouped_query(query, heads)  # [B, Hkv, G, T, D]
-        groups, q_len, dim = q.shape[2:]
-        quantizer = self.quantizer(dim)
-        # The query is rotated once per step; the table then scores every code of its KV head.
-        table = quantizer.lookup_table(quantizer.rotate(q.flatten(2, 3)))  # [B, Hkv, G*T, M, 256]
-        logits = score_codes(table, codes, norms, dim) * scaling  # [B, Hkv, G*T, N]
-        logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
-        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, q_len, num)
-        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, N]
+        return code_scores(query, state["codes"], state["norms"], selectable, self.quantizer(query.shape[-1]), scaling)

@@ -196,6 +196,17 @@ class HiggsQuantizer:
             self._device_cache[key] = tensor.to(device)
         return self._device_cache[key]
 
+    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grid `[256, p]` and the rotation's sign flips `[D]` (+-1), float32 on `device`, for the kernels.
+
+        Cached per device. The signs come from the rotation already on the device (its first column, since
+        `H[:, 0] > 0`), so once `quantize` or `rotate` has run there, this never copies from the host.
+        """
+        key = ("signs", str(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = self._on("rotation", self._rotation, device)[:, 0].sign().contiguous()
+        return self._on("grid", self.grid, device), self._device_cache[key]
+
     def _check_last_dim(self, x: torch.Tensor, what: str) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = f"{type(x).__name__} {getattr(x, 'dtype', '')}"

@@ -1,0 +1,90 @@
+// Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (SPEC §4): each warp reads one
+// (row, head, token) record straight from the pinned host store through its device-visible address and writes
+// the token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
+// Twin: shadowkv_cache/ops/gather_dequant.py (`gather_dequant_reference`, i.e. `HiggsQuantizer.dequantize`).
+//
+// Legend: B batch, Hkv KV heads, K selected tokens per head, N stored tokens, D head dim, p grid dim,
+// M = D/p sub-vectors, E = 2*M + 4 record bytes, EPL coordinates per lane (D = 32*EPL, or D lanes of 1).
+//
+// A record is [key norm fp16 | value norm fp16 | key codes (M) | value codes (M)]. Decoding, as
+// `gather_values_higgs4`: grid points, the inverse rotation as an unnormalised Walsh-Hadamard transform (here
+// across the warp's registers), times norm / D (the grid's unit scale and the orthonormal Hadamard, 1/sqrt(D)
+// each) and the sign flip of each coordinate.
+#include "common.cuh"
+
+#define GD_WARPS 8                               // records per block of 256 threads
+#define GD_MAX_WORDS 65                          // (D + 4) / 4 at D = 256, p = 2: the largest record
+
+/// \param keys, values  [B, Hkv, K, D] T, out
+/// \param ids           [B, Hkv, K] int64 token of each slot (< N)
+/// \param host          pinned records [R, Hkv, N, E], device-visible pointer; record (r, h, t) at
+///                      r*row_stride + h*head_stride + t*E bytes
+/// \param row_map       [B] int64 stored row behind each cache row
+/// \param total         B*Hkv*K
+/// \param vec4          1 when `host`, both strides and E are multiples of 4 (4-byte loads)
+/// \param grid          [256, p] float32 grid points; \param signs [D] float32 (+-1), on the device
+/// Launch: grid ceil(total / 8), block 256 threads.
+template <typename T, int EPL>
+__device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids,
+                                                    const unsigned char* host, const long long* row_map,
+                                                    long long row_stride, long long head_stride, int Hkv, int K,
+                                                    long long total, int D, int p, int E, int vec4,
+                                                    const float* grid, const float* signs) {
+    __shared__ unsigned int rec[GD_WARPS][GD_MAX_WORDS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long slot = (long long)blockIdx.x * GD_WARPS + warp;
+    if (slot >= total) return;  // uniform over the warp
+    const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
+    const unsigned char* src = host + row_map[row] * row_stride + head * head_stride + ids[slot] * (long long)E;
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(rec[warp]);
+    if (vec4) {
+        const unsigned int* words = reinterpret_cast<const unsigned int*>(src);
+        for (int w = lane; w < (E >> 2); w += 32) rec[warp][w] = words[w];
+    } else {
+        for (int b = lane; b < E; b += 32) bytes[b] = src[b];
+    }
+    __syncwarp();
+
+    const int lanes = D < 32 ? D : 32, m = D / p;
+    float k[EPL], v[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const int c = lane * EPL + j;
+        if (lane < lanes) {
+            const int sub = c / p, comp = c - sub * p;
+            k[j] = __ldg(grid + bytes[4 + sub] * p + comp);
+            v[j] = __ldg(grid + bytes[4 + m + sub] * p + comp);
+        } else {
+            k[j] = v[j] = 0.f;
+        }
+    }
+    warp_hadamard<EPL>(k, lanes);
+    warp_hadamard<EPL>(v, lanes);
+    if (lane >= lanes) return;
+    const float k_scale = to_f32(f16{(unsigned short)(rec[warp][0] & 0xffffu)}) / (float)D;
+    const float v_scale = to_f32(f16{(unsigned short)(rec[warp][0] >> 16)}) / (float)D;
+    T* kd = keys + slot * D + lane * EPL;
+    T* vd = values + slot * D + lane * EPL;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const float s = __ldg(signs + lane * EPL + j);
+        kd[j] = from_f32<T>(k[j] * k_scale * s);
+        vd[j] = from_f32<T>(v[j] * v_scale * s);
+    }
+}
+
+#define GATHER_DEQUANT(T, SUFFIX, EPL)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) gather_dequant_##SUFFIX##_e##EPL(                          \
+        T* keys, T* values, const long long* ids, const unsigned char* host, const long long* row_map,           \
+        long long row_stride, long long head_stride, int Hkv, int K, long long total, int D, int p, int E,       \
+        int vec4, const float* grid, const float* signs) {                                                       \
+        gather_dequant_impl<T, EPL>(keys, values, ids, host, row_map, row_stride, head_stride, Hkv, K, total, D, \
+                                    p, E, vec4, grid, signs);                                                    \
+    }
+#define GATHER_DEQUANT_ALL(T, SUFFIX)                                                                             \
+    GATHER_DEQUANT(T, SUFFIX, 1) GATHER_DEQUANT(T, SUFFIX, 2) GATHER_DEQUANT(T, SUFFIX, 4)                       \
+    GATHER_DEQUANT(T, SUFFIX, 8)
+
+GATHER_DEQUANT_ALL(float, float32)
+GATHER_DEQUANT_ALL(bf16, bfloat16)
+GATHER_DEQUANT_ALL(f16, float16)

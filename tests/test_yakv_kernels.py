@@ -1,0 +1,177 @@
+"""YAKV's CUDA kernels against their PyTorch twins, and the YAKV decode step without host synchronisation.
+
+Run on a CUDA machine with cuda-python: `python -m pytest -m gpu -q tests/test_yakv_kernels.py`.
+Legend: R stored rows, B cache rows, Hkv KV heads, G query heads per KV head, N stored tokens, K selected
+tokens per head, D head dim, p grid dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate_with, make_tiny_model, random_prompt
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.kernel_loader import kernels_available
+from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
+from shadowkv_cache.ops.score_codes import code_scores, code_scores_reference
+from shadowkv_cache.quant import HiggsQuantizer
+from shadowkv_cache.quantized_store import QuantizedKVStore, pack_records
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def needs_kernels():
+    if not kernels_available(CUDA):
+        pytest.fail('cuda-python is missing: pip install "shadowkv-cache[cuda]" (cuda-bindings) to test the kernels')
+
+
+def random_vectors(*shape: int) -> torch.Tensor:
+    """Gaussian vectors `[..., D]` with norms spread over a few orders of magnitude, the first one zero."""
+    x = torch.randn(*shape, device=CUDA) * torch.exp(torch.randn(*shape[:-1], 1, device=CUDA) * 2)
+    x.view(-1, shape[-1])[0] = 0
+    return x
+
+
+def pinned_store(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) -> QuantizedKVStore:
+    keys = random_vectors(rows, heads, num, quantizer.head_dim)
+    values = random_vectors(rows, heads, num, quantizer.head_dim)
+    records = pack_records(quantizer.quantize(keys), quantizer.quantize(values))
+    store = QuantizedKVStore.offload(records, pin=True)
+    assert store.data.is_pinned()
+    return store
+
+
+def assert_dequantised_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Per vector: float32 round-off of a D-term sum (the kernel's Walsh-Hadamard transform against the twin's
+    matmul), then at most one step of the output dtype."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().amax(-1, keepdim=True)
+    eps = max(torch.finfo(want.dtype).eps, 1e-5)
+    assert bool(((got.float() - want.float()).abs() <= eps * scale).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "rows, heads, num, k, dim, grid_dim",
+    [
+        (3, 8, 311, 256, 128, 2),
+        (2, 3, 77, 13, 64, 2),
+        (4, 2, 51, 50, 64, 4),
+        (2, 1, 9, 9, 128, 8),
+        (2, 3, 40, 7, 16, 2),  # fewer coordinates than lanes
+        (2, 2, 33, 5, 256, 2),  # the largest record the kernel takes
+        (1, 5, 20, 3, 8, 8),  # one sub-vector: a 6-byte record, byte loads
+    ],
+)
+def test_gather_dequant_kernel_matches_twin(dtype, rows, heads, num, k, dim, grid_dim):
+    torch.manual_seed(0)
+    quantizer = HiggsQuantizer(dim, grid_dim)
+    store = pinned_store(rows, heads, num, quantizer).select_rows(torch.tensor([rows - 1, 0, rows - 1]))
+    ids = torch.randint(0, num, (3, heads, k), device=CUDA)
+    ids[1, 0, 0] = 0  # the zero vector of stored row 0
+    got_keys, got_values = gather_dequant(store, ids, quantizer, dtype)
+    want_keys, want_values = gather_dequant_reference(store, ids, quantizer, dtype)
+    assert_dequantised_close(got_keys, want_keys)
+    assert_dequantised_close(got_values, want_values)
+    assert got_keys[1, 0, 0].eq(0).all()
+
+
+def test_gather_dequant_kernel_reads_a_shared_document_in_place():
+    """Rows that share one stored document (row map all zeros) read the same records as the document alone."""
+    torch.manual_seed(1)
+    quantizer = HiggsQuantizer(128, 2)
+    store = pinned_store(1, 8, 500, quantizer)
+    shared = store.select_rows(torch.zeros(4, dtype=torch.int64))
+    ids = torch.randint(0, 500, (4, 8, 61), device=CUDA)
+    got = gather_dequant(shared, ids, quantizer, torch.bfloat16)
+    for row in range(4):
+        alone = gather_dequant(store, ids[row : row + 1], quantizer, torch.bfloat16)
+        assert torch.equal(got[0][row], alone[0][0]) and torch.equal(got[1][row], alone[1][0])
+
+
+def test_gather_dequant_kernel_handles_an_empty_selection():
+    quantizer = HiggsQuantizer(64, 2)
+    store = pinned_store(2, 2, 10, quantizer)
+    keys, values = gather_dequant(store, torch.zeros(2, 2, 0, dtype=torch.int64, device=CUDA), quantizer, torch.float16)
+    assert keys.shape == values.shape == (2, 2, 0, 64)
+
+
+def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes `[R, Hkv, N, M]` and norms `[R, Hkv, N]` of keys with a few large ones (peaked softmaxes)."""
+    keys = torch.randn(rows, heads, num, quantizer.head_dim, device=CUDA)
+    keys[..., ::37, :] *= 6
+    packed = quantizer.quantize(keys)
+    return packed.codes, packed.norms
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, num, dim, grid_dim",
+    [
+        (2, 8, 4, 16381, 128, 4),
+        (3, 3, 3, 700, 64, 4),
+        (1, 2, 8, 5000, 128, 2),
+        (2, 2, 5, 513, 128, 8),
+        (4, 2, 1, 37, 64, 2),
+        (1, 1, 4, 3000, 256, 2),
+        (2, 4, 2, 1031, 64, 8),
+    ],
+)
+def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim):
+    """Softmax over tokens of the code logits, max over the group. The kernel sums the dot products in another
+    order than the twin's table and uses `__expf`: ~1e-5 relative, well inside 1e-3."""
+    torch.manual_seed(0)
+    quantizer = HiggsQuantizer(dim, grid_dim)
+    codes, norms = scoring_state(batch, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
+    real = torch.rand(batch, num, device=CUDA) < 0.9
+    real[0] = False  # a row with nothing selectable scores 0 everywhere
+    selectable = real[:, None, :].expand(-1, kv_heads, -1)  # the layer's own view: head stride 0
+    scaling = dim**-0.5
+    got = code_scores(query, codes, norms, selectable, quantizer, scaling)
+    want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    assert got.shape == want.shape == (batch, kv_heads, num)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
+    assert got[0].eq(0).all()
+    assert got[~selectable].eq(0).all()
+    # The ranking the policy takes from it: every token the kernel's top-k picks is, by the twin's scores, as
+    # good as the twin's own k-th best up to the tolerance above (only near-ties may swap).
+    k = max(1, num // 50)
+    picked = want[1:].gather(-1, got[1:].topk(k, dim=-1).indices)
+    kth = want[1:].topk(k, dim=-1).values[..., -1:]
+    assert bool((picked >= kth * (1 - 1e-3) - 1e-6 * want.amax()).all())
+
+
+def test_code_scores_kernel_reads_a_shared_document_in_place():
+    torch.manual_seed(1)
+    batch, kv_heads, group, num, dim = 3, 8, 4, 2000, 128
+    quantizer = HiggsQuantizer(dim, 4)
+    codes, norms = scoring_state(1, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
+    selectable = (torch.rand(1, num, device=CUDA) < 0.9)[:, None, :].expand(batch, kv_heads, -1)
+    expand = lambda t: t.expand(batch, *t.shape[1:])  # noqa: E731
+    shared = code_scores(query, expand(codes), expand(norms), selectable, quantizer, 0.1)
+    private = code_scores(
+        query, expand(codes).contiguous(), expand(norms).contiguous(), selectable.contiguous(), quantizer, 0.1
+    )
+    assert torch.equal(shared, private)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, monkeypatch):
+    """A real selection (24 of ~236 tokens per KV head) through `generate`, kernels against twins."""
+    ids = random_prompt(301).to(CUDA)
+    model = make_tiny_model(arch).to(CUDA)
+    config = {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}
+    with_kernels = generate_with(model, ids, ShadowKVCache(model, **config))
+    monkeypatch.setenv("SHADOWKV_KERNELS", "0")
+    twins = generate_with(model, ids, ShadowKVCache(model, **config))
+    assert torch.equal(with_kernels.sequences, twins.sequences)
+    torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
