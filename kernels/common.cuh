@@ -71,7 +71,7 @@ __device__ __forceinline__ int block_exclusive_scan(int* data, int n, int* warp_
     return total;
 }
 
-// ---- softmax states (landmark_scores.cu, score_codes.cu) -------------------------------------------------------
+// ---- softmax states (score_codes.cu, softmax_group_max.cu) ------------------------------------------------------
 
 #define NEG_INF __int_as_float(0xff800000u)
 

@@ -1,6 +1,6 @@
 // Token logits of one YAKV decode step from the ~2-bit device codes of every key (SPEC §4): for each KV head and
 // each query head of its group, scaling * q . k_hat over all tokens, with per-tile softmax states. The second
-// pass (softmax over tokens, max over the group) is landmark_scores.cu's `landmark_softmax_max`, launched on
+// pass (softmax over tokens, max over the group) is softmax_group_max.cu's `softmax_group_max`, launched on
 // these logits. Twin: shadowkv_cache/ops/score_codes.py (`code_scores_reference`, i.e. `QuantizedKeyTopK.score`).
 //
 // Why a kernel: the codes are the largest tensor a YAKV step reads (N*Hkv*M bytes per row and layer: 32 MiB at
@@ -130,7 +130,7 @@ __device__ __forceinline__ void code_logits_impl(float* logits, float* part_max,
         }
     }
 
-    // Block-wide merge of the per-team states (lane 0 of each team holds them), as landmark_scores.cu.
+    // Block-wide merge of the per-team states (lane 0 of each team holds them), as in the first pass of a softmax over tiles.
     __shared__ float sm[G][SC_THREADS], ss[G][SC_THREADS];
 #pragma unroll
     for (int g = 0; g < G; ++g) {

@@ -15,7 +15,6 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.adapters import patch_model
 from shadowkv_cache.kernel_loader import kernels_available
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
-from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
 from shadowkv_cache.value_store import HostValueStore
@@ -246,37 +245,3 @@ def test_kernel_path_matches_twin_path_end_to_end(arch, value_format, monkeypatc
     twins = generate_with(model, ids, ShadowKVCache(model, **overrides))
     assert torch.equal(with_kernels.sequences, twins.sequences)
     torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "batch, kv_heads, group, chunks, dim",
-    [(2, 8, 4, 16381, 128), (3, 3, 3, 700, 64), (1, 1, 4, 5000, 256), (2, 2, 8, 513, 128), (4, 2, 1, 37, 64)],
-)
-def test_landmark_scores_kernel_matches_twin(dtype, batch, kv_heads, group, chunks, dim):
-    torch.manual_seed(0)
-    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA).to(dtype)
-    landmarks = (torch.randn(batch, kv_heads, chunks, dim, device=CUDA) * 2).to(dtype)
-    selectable = torch.rand(batch, kv_heads, chunks, device=CUDA) < 0.9
-    selectable[0, 0] = False  # a head with nothing selectable scores 0 everywhere
-    scaling = dim**-0.5
-    got = landmark_scores(query, landmarks, selectable, scaling)
-    # The twin's GEMM rounds logits to the KV dtype; the kernel keeps them in fp32: compare with fp32 twin inputs.
-    want = landmark_scores_reference(query.float(), landmarks.float(), selectable, scaling)
-    assert got.shape == want.shape == (batch, kv_heads, chunks)
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
-    assert got[0, 0].eq(0).all()
-    assert got[~selectable].eq(0).all()
-
-
-def test_landmark_scores_kernel_reads_a_shared_document_in_place():
-    torch.manual_seed(1)
-    batch, kv_heads, group, chunks, dim = 3, 8, 4, 2000, 128
-    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
-    landmarks = torch.randn(1, kv_heads, chunks, dim, device=CUDA, dtype=torch.bfloat16)
-    selectable = torch.rand(1, kv_heads, chunks, device=CUDA) < 0.9
-    shared = landmark_scores(query, landmarks.expand(batch, -1, -1, -1), selectable.expand(batch, -1, -1), 0.1)
-    private = landmark_scores(
-        query, landmarks.expand(batch, -1, -1, -1).contiguous(), selectable.expand(batch, -1, -1).contiguous(), 0.1
-    )
-    assert torch.equal(shared, private)

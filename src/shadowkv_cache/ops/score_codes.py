@@ -11,7 +11,7 @@ block stays bounded whatever N.
 `code_scores` is what `QuantizedKeyTopK` ranks tokens by: the softmax over tokens of those logits, summed over
 query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it; for one query
 token on CUDA, `kernels/score_codes.cu` reads the codes once and writes fp32 logits with per-tile softmax
-states, and `landmark_softmax_max` (landmark_scores.cu) normalises them and takes the group max.
+states, and `softmax_group_max` (softmax_group_max.cu) normalises them and takes the group max.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ def code_scores(
             (_TILE, i32),
         ],
     )
-    load_kernels("landmark_scores", query.device).launch(
-        "landmark_softmax_max",
+    load_kernels("softmax_group_max", query.device).launch(
+        "softmax_group_max",
         grid=(-(-num // _SOFTMAX_TILE), heads, batch),
         block=(_THREADS, 1, 1),
         args=[scores, logits, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
