@@ -13,7 +13,7 @@ from ..ops.score_codes import score_codes
 from ..quant import HiggsQuantizer
 from .base import SelectionPolicy, grouped_query
 
-__all__ = ["QuantizedKeyTopK"]
+__all__ = ["QuantizedKeyTopK", "attention_scores"]
 
 
 class QuantizedKeyTopK(SelectionPolicy):
@@ -47,14 +47,22 @@ class QuantizedKeyTopK(SelectionPolicy):
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         codes, norms = state["codes"], state["norms"]
-        batch, heads, num, _ = codes.shape
+        heads = codes.shape[1]
         q = grouped_query(query, heads)  # [B, Hkv, G, T, D]
-        groups, q_len, dim = q.shape[2:]
+        groups, dim = q.shape[2], q.shape[4]
         quantizer = self.quantizer(dim)
         # The query is rotated once per step; the table then scores every code of its KV head.
         table = quantizer.lookup_table(quantizer.rotate(q.flatten(2, 3)))  # [B, Hkv, G*T, M, 256]
         logits = score_codes(table, codes, norms, dim) * scaling  # [B, Hkv, G*T, N]
-        logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
-        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, q_len, num)
-        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, N]
+        return attention_scores(logits, selectable, groups)
+
+
+def attention_scores(logits: torch.Tensor, selectable: torch.Tensor, groups: int) -> torch.Tensor:
+    """Approximate attention `[B, Hkv, N]` from approximate logits `[B, Hkv, G*T, N]` (rows ordered head-major,
+    as `grouped_query(...).flatten(2, 3)`): softmax over the selectable tokens of each query head and token,
+    summed over query tokens, max over the `G` query heads of each KV head. Zero where not selectable."""
+    batch, heads, rows, num = logits.shape
+    logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
+    # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, rows // groups, num)
+    return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, N]
