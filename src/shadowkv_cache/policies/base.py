@@ -35,6 +35,8 @@ class SelectionPolicy(ABC):
     # How many of the last prefill queries `prepare` wants (SnapKV's observation window); 0 = none. When
     # positive, `prepare` also gets `recent_queries` `[B, Hq, W, D]` and the model's attention `scaling`.
     observation_window: ClassVar[int] = 0
+    # True when the heads of a layer share one budget and so get different counts (`select_valid`).
+    shares_budget: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(

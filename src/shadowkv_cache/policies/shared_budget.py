@@ -34,6 +34,7 @@ class SharedBudgetTopK(SelectionPolicy):
     """
 
     granularity = "token"
+    shares_budget = True
 
     def __init__(self, inner: SelectionPolicy | None = None):
         if inner is None:
