@@ -605,7 +605,7 @@ class Report:
 
     def styles(self, rows: list[dict]) -> dict[str, dict]:
         """One colour per method; solid = exact keys, dashed = the default rank, dotted = other ranks."""
-        colors = {"full": "black", **{m: f"C{i}" for i, m in enumerate(METHODS)}}
+        colors = {"full": "black", **{m: f"C{i + (i >= 7)}" for i, m in enumerate(METHODS)}}
         markers = {16: "v", 64: "^", 96: "D"}
         out = {}
         for r in sorted(rows, key=_series_order):
@@ -629,7 +629,8 @@ class Report:
                 NOTES,
                 summary_tables(at_length, plan.default_budget),
                 f"Wall time of the run: {env['minutes']} min. Plots: `{name}.png` (accuracy) and "
-                f"`{name}_recall.png` (selection recall) against the budget, one panel per task.",
+                f"`{name}_recall.png` (selection recall) against the budget, one panel per task; `{name}_bytes.png` "
+                "(mass covered against bf16 host-to-device bytes per step, exact keys, with the oracles).",
                 "### All rows",
             ]
         )
@@ -661,11 +662,18 @@ class Report:
             for r in rows
             if r["method"] in self.ORACLES
         ]
-        styles = {m: {"color": f"C{i}", "ls": "-", "marker": "o"} for i, m in enumerate(METHODS)}
+        styles = {
+            m: {"color": f"C{i + (i >= 7)}", "ls": "-", "marker": "o"} for i, m in enumerate(METHODS)
+        }  # C7: oracles
         for oracle, ls in zip(self.ORACLES.values(), ("-.", ":", "--")):
             styles[oracle] = {"color": "gray", "ls": ls, "marker": ""}
         plot = dict(facet="task", series="series", x="h2d_bf16_kib", y="recall", logx=True, styles=styles)
         plot["ylabel"] = "exact attention mass covered"
+        top = max(r["h2d_bf16_kib"] for r in lines)
+        plot["xticks"] = [
+            2**i for i in range(16) if 2**i >= min(r["h2d_bf16_kib"] for r in lines) / 2 and 2**i <= top * 2
+        ]
+        plot["panel_size"] = (7.5, 4.5)
         plot_facets(f"{self.name}_bytes", f"Mass covered vs host-to-device KiB per step (bf16), {title}", lines, plot)
 
 
