@@ -7,8 +7,12 @@ top-k), for full attention (`DynamicCache`) and every selection policy at equal 
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode cpu      # small sample, ~10 min on 2 cores
     python benchmarks/accuracy.py --mode gpu --device cuda --dtype bfloat16  # full sample, ~6-7 min on an H200
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode selection  # mass covered vs bytes per step
 
-(`--tasks`, `--length`, `--samples`, `--budgets`, `--no-sweeps` change the plan; `--model` picks the model.)
+(`--tasks`, `--length`, `--samples`, `--budgets`, `--methods`, `--no-sweeps` change the plan; `--model` picks the
+model.) The `selection` plan measures selection alone on natural text (the probe's share of the exact attention
+mass, against the chunk and token oracles) for ShadowKV, YAKV and the study's two YAKV extensions, over a budget
+sweep, and adds `_bytes.png`: mass covered against host-to-device bytes per step.
 
 Writes benchmarks/results/accuracy_<model>_<mode>.{json,md,png} (and `_recall.png`, selection recall against
 budget). Every method runs in the same ShadowKVCache (same low-rank keys, outliers, local window and host value
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
-from methods import EVICTING, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
+from methods import EVICTING, EXTENSIONS, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
 from results_io import RESULTS, environment, markdown_table, plot_facets, write_results
 from selection_probe import SelectionProbe
 from tasks import TASKS
@@ -72,6 +76,14 @@ class Plan:
     extra_lengths: dict[str, list[int]] = field(default_factory=dict)  # task -> other lengths (default budget)
     default_budget: int = 256  # ShadowKV's default for prompts up to 16K: max(256, 1.5625% of S)
     seed: int = 0
+    methods: list[str] | None = None  # None: every method but the YAKV extensions
+    chunk_overrides: dict = field(default_factory=dict)  # config changes for the ShadowKV-mode methods
+    count_kept: bool = False  # recall over all offloaded units, outliers counted as covered (SelectionProbe)
+    notes: str = ""  # what the plan changes, for the report
+
+
+def plan_methods(plan: Plan) -> list[str]:
+    return plan.methods or [m for m in METHODS if m not in EXTENSIONS]
 
 
 PLANS = {
@@ -115,6 +127,40 @@ PLANS = {
         greedy_tokens=8,
         extra_lengths={"fidelity": [8000]},
     ),
+    # Selection quality alone (issue 6, item 6). The ShadowKV-mode methods run with a 64-token local window, so
+    # that at 3072 tokens (3008 = 376 chunks, no ragged tail) they and YAKV (64 recent tokens) offload the same
+    # tokens, and the probe counts ShadowKV's outlier chunks as covered: one denominator for all methods.
+    "selection": Plan(
+        tasks=[],
+        length=3072,
+        samples=1,
+        budgets=[32, 64, 128, 256, 512, 1024],
+        budget_tasks=["fidelity"],
+        default_rank_methods={},
+        sweep_tasks=[],
+        sweep_ranks=[],
+        sweep_chunks=[],
+        fidelity_rows=2,
+        fidelity_steps=16,
+        greedy_tokens=2,
+        methods=["shadowkv", "oracle", "yakv", "yakv_residual", "yakv_shared"],
+        chunk_overrides={"local_window": 64},
+        count_kept=True,
+        notes="""**Selection plan.** ShadowKV-mode methods (`shadowkv`, the chunk `oracle`) run here with
+`local_window=64` (at 3072 tokens no ragged tail), so that they leave the same tokens in the prompt's offloaded part
+as the YAKV methods (64 recent tokens exact) and `recall` has one denominator for all: the exact attention mass
+over the prompt minus its last 64 tokens, per layer, query head and step. ShadowKV's outlier chunks (default
+`max(4, 0.3% of S/8)` per head, exact on the GPU, no PCIe bytes) count as covered, for it and for its oracle. Keys
+are exact (rank = Hkv*D): only the selection differs.
+`yakv_residual` scores tokens from residual landmarks (a 4-bit landmark per 8 keys + a 1-bit residual per key,
+`ResidualLandmarkTopK`), `yakv_shared` from YAKV's 2-bit keys with the layer's `Hkv*k` tokens shared by its heads
+(`SharedBudgetTopK`); both fetch YAKV's 4-bit records. `h2d_bf16_kib` is what the budget moves per decode step and
+sequence (all layers) in the GPU deployment: ShadowKV `k` tokens x D x 2 bytes of bf16 values per KV head (keys
+are rebuilt on the device), YAKV `k` x (D + 4) bytes of 4-bit key and value records; `h2d_kib_per_step` is the
+measured figure (ShadowKV: the temporal cache's misses, at the model's fp32 here). `oracle_recall` of a ShadowKV row
+is the chunk oracle (best chunks per head), of a YAKV row the token oracle (best tokens per head), of a
+`yakv_shared` row the shared token oracle (best `Hkv*k` (head, token) pairs of the layer).""",
+    ),
 }
 
 
@@ -132,7 +178,7 @@ def configs_for(plan: Plan, task: str, length: int) -> list[Config]:
     if length != plan.length:  # other lengths: ShadowKV as shipped and the oracle, exact keys too
         return [Config(m, r, 8, default) for r in ("full", None) for m in ("shadowkv", "oracle")]
     budgets = plan.budgets if task in plan.budget_tasks else [default]
-    out = [Config(m, "full", 8, b) for m in METHODS for b in budgets]
+    out = [Config(m, "full", 8, b) for m in plan_methods(plan) for b in budgets]
     at_default_rank = plan.default_rank_methods.get(task, plan.default_rank_methods.get("*", []))
     out += [Config(m, None, 8, b) for m in at_default_rank for b in budgets]
     if task in plan.sweep_tasks:
@@ -142,8 +188,9 @@ def configs_for(plan: Plan, task: str, length: int) -> list[Config]:
 
 
 class Runner:
-    def __init__(self, model, tokenizer, device: str):
+    def __init__(self, model, tokenizer, device: str, chunk_overrides: dict | None = None, count_kept: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.chunk_overrides, self.count_kept = chunk_overrides or {}, count_kept
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -156,13 +203,15 @@ class Runner:
         if cfg.method in MODE_CHANGES:  # no rank or chunks: keys and values are quantised, tokens selected
             return {**start, **MODE_CHANGES[cfg.method]}
         rank = self.key_dim if cfg.rank == "full" else cfg.rank
-        return {"rank": rank, "chunk_size": cfg.chunk, **start}
+        return {"rank": rank, "chunk_size": cfg.chunk, **start, **self.chunk_overrides}
 
     def groups(self, configs: list[Config]) -> dict[tuple, list[Config]]:
         """Configs that can share one prefill: same rank and chunk size, or the same storage mode."""
         out: dict[tuple, list[Config]] = defaultdict(list)
         for cfg in configs:
-            key = (cfg.method,) if cfg.method in MODE_CHANGES else (cfg.rank, cfg.chunk)
+            key = (
+                tuple(sorted(MODE_CHANGES[cfg.method].items())) if cfg.method in MODE_CHANGES else (cfg.rank, cfg.chunk)
+            )
             out[key].append(cfg)
         return out
 
@@ -173,7 +222,7 @@ class Runner:
         return base
 
     def fork(self, base: ShadowKVCache, cfg: Config) -> tuple[ShadowKVCache, SelectionProbe]:
-        probe = SelectionProbe(METHODS[cfg.method](), self.num_layers)
+        probe = SelectionProbe(METHODS[cfg.method](), self.num_layers, self.count_kept)
         dense = cfg.method not in EVICTING
         cache = fork_cache(base, self.model, cfg.method, probe, cfg.budget, dense_multi_token_steps=dense)
         return cache, probe
@@ -188,7 +237,15 @@ class Runner:
         if cache.config.mode == "yakv":
             recall, oracle, units = probe.totals()
             dense_steps = multi_token_steps if cache.config.dense_multi_token_steps else 0
+            fetched = sum(layer.fetched_bytes for layer in cache.layers if layer.is_compressed)
+            nominal = sum(
+                layer.prompt.max_budget_tokens * self.num_kv_heads * layer.prompt.store.record_bytes
+                for layer in cache.layers
+                if layer.prompt is not None
+            )
             return {
+                "nominal_bytes": nominal,
+                "value_bytes_bf16": fetched,
                 "rank": self.key_dim,  # keys are quantised, not low-rank
                 "recall_mass": recall,
                 "oracle_mass": oracle,
@@ -204,7 +261,15 @@ class Runner:
         dense_steps = multi_token_steps if cache.config.dense_multi_token_steps else 0
         prompt_chunks = sum(layer.prompt.values.data[0].shape[:2].numel() for layer in cache.layers if layer.prompt)
         recall, oracle, units = probe.totals()
+        value_bytes = misses * chunk_bytes + dense_steps * rows * prompt_chunks * chunk_bytes
+        nominal = sum(  # bf16 values of the selected chunks, as on the GPU
+            int(layer.prompt.max_budget_chunks) * cfg.chunk * self.head_dim * 2 * self.num_kv_heads
+            for layer in cache.layers
+            if layer.prompt is not None
+        )
         return {
+            "nominal_bytes": nominal,
+            "value_bytes_bf16": value_bytes * 2 // self.elem,
             "rank": int(cache.layers[0].prompt.a.shape[-1]),  # the rank actually used
             "recall_mass": recall,
             "oracle_mass": oracle,
@@ -247,7 +312,7 @@ def run_task(runner: Runner, task: str, length: int, plan: Plan, bar) -> list[di
             totals[key]["n"] += 1
             turn_scores[key].append(scores)
         for k, v in (stats or {}).items():
-            totals[key][k] = v if k == "rank" else totals[key][k] + v
+            totals[key][k] = v if k in ("rank", "nominal_bytes") else totals[key][k] + v
         totals[key]["seconds"] += seconds
         examples.setdefault(key, answers[0][-1][-160:])
 
@@ -301,6 +366,8 @@ def summarise_stats(a: dict) -> dict:
         "recall": a["recall_mass"] / a["units"] if a["units"] else float("nan"),
         "oracle_recall": a["oracle_mass"] / a["units"] if a["units"] else float("nan"),
         "h2d_kib_per_step": a["value_bytes"] / a["steps_rows"] / 1024 if a["steps_rows"] else 0.0,
+        "h2d_bf16_kib": round(a["nominal_bytes"] / 1024),
+        "h2d_bf16_measured_kib": a["value_bytes_bf16"] / a["steps_rows"] / 1024 if a["steps_rows"] else 0.0,
         "hit_rate": a["hits"] / a["lookups"] if a["lookups"] else float("nan"),
     }
 
@@ -438,6 +505,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, help="prompt tokens")
     parser.add_argument("--samples", type=int, help="samples per task")
     parser.add_argument("--budgets", type=int, nargs="+")
+    parser.add_argument("--methods", nargs="+", help=f"subset of {list(METHODS)} (full attention always runs)")
     parser.add_argument("--no-sweeps", action="store_true", help="skip the rank / chunk-size / length sweeps")
     parser.add_argument("--out", help="results name (default accuracy_<model>_<mode>)")
     parser.add_argument("--replot", action="store_true", help="re-render the Markdown and plots of a stored run")
@@ -453,6 +521,11 @@ def main() -> None:
         plan.samples = args.samples
     if args.budgets:
         plan.budgets = args.budgets
+    if args.methods:
+        unknown_methods = sorted(set(args.methods) - set(METHODS))
+        if unknown_methods:
+            parser.error(f"unknown method(s) {unknown_methods}; choose from {list(METHODS)}")
+        plan.methods = args.methods
     if args.no_sweeps:
         plan.sweep_tasks, plan.extra_lengths = [], {}
     tasks = args.tasks or ["fidelity", *plan.tasks]
@@ -473,7 +546,7 @@ def main() -> None:
         return
 
     model, tokenizer = load_model(args.model, getattr(torch, dtype_name), args.device)
-    runner = Runner(model, tokenizer, args.device)
+    runner = Runner(model, tokenizer, args.device, plan.chunk_overrides, plan.count_kept)
     limit = model.config.max_position_embeddings - 256
     work = [(t, plan.length) for t in tasks] + [(t, n) for t in tasks for n in plan.extra_lengths.get(t, [])]
     work = [(t, min(n, limit)) for t, n in work]
@@ -508,7 +581,8 @@ class Report:
         "recall",
         "oracle_recall",
     ]
-    COLUMNS += ["h2d_kib_per_step", "hit_rate", "first_turn", "later_turns", "mean_kl", "greedy_match", "samples"]
+    COLUMNS += ["h2d_kib_per_step", "h2d_bf16_kib", "h2d_bf16_measured_kib", "hit_rate", "first_turn", "later_turns"]
+    COLUMNS += ["mean_kl", "greedy_match", "samples"]
 
     def __init__(self, name: str, args, plan: Plan, dtype_name: str, key_dim: int):
         self.name, self.args, self.plan, self.dtype_name, self.key_dim = name, args, plan, dtype_name, key_dim
@@ -531,7 +605,7 @@ class Report:
 
     def styles(self, rows: list[dict]) -> dict[str, dict]:
         """One colour per method; solid = exact keys, dashed = the default rank, dotted = other ranks."""
-        colors = {"full": "black", **{m: f"C{i}" for i, m in enumerate(METHODS)}}
+        colors = {"full": "black", **{m: f"C{i + (i >= 7)}" for i, m in enumerate(METHODS)}}
         markers = {16: "v", 64: "^", 96: "D"}
         out = {}
         for r in sorted(rows, key=_series_order):
@@ -551,10 +625,12 @@ class Report:
             env["minutes"] = round(self.earlier["minutes"] + self.minutes, 1)
         notes = "\n\n".join(
             [
+                *([plan.notes] if plan.notes else []),
                 NOTES,
                 summary_tables(at_length, plan.default_budget),
                 f"Wall time of the run: {env['minutes']} min. Plots: `{name}.png` (accuracy) and "
-                f"`{name}_recall.png` (selection recall) against the budget, one panel per task.",
+                f"`{name}_recall.png` (selection recall) against the budget, one panel per task; `{name}_bytes.png` "
+                "(mass covered against bf16 host-to-device bytes per step, exact keys, with the oracles).",
                 "### All rows",
             ]
         )
@@ -569,6 +645,36 @@ class Report:
         if recall:
             plot = dict(common, y="recall", ylabel="selection recall")
             plot_facets(f"{name}_recall", f"Selection recall vs sparse budget, {title}", recall, plot)
+            self.write_bytes_plot(recall, title)
+
+    # The oracle of each selection kind, read from the rows of the method named here.
+    ORACLES = {"shadowkv": "chunk oracle", "yakv": "token oracle", "yakv_shared": "shared token oracle (Hkv*k)"}
+
+    def write_bytes_plot(self, rows: list[dict], title: str) -> None:
+        """`<name>_bytes.png`: attention mass covered against the bf16 bytes the budget moves per step, one line per
+        method (exact keys only, so ShadowKV's selection is what is compared) and per oracle."""
+        rows = [r for r in rows if r["rank"] >= self.key_dim and isinstance(r.get("h2d_bf16_kib"), (int, float))]
+        if not rows:
+            return
+        lines = [dict(r, series=r["method"]) for r in rows]
+        lines += [
+            dict(r, series=self.ORACLES[r["method"]], recall=r["oracle_recall"])
+            for r in rows
+            if r["method"] in self.ORACLES
+        ]
+        styles = {
+            m: {"color": f"C{i + (i >= 7)}", "ls": "-", "marker": "o"} for i, m in enumerate(METHODS)
+        }  # C7: oracles
+        for oracle, ls in zip(self.ORACLES.values(), ("-.", ":", "--")):
+            styles[oracle] = {"color": "gray", "ls": ls, "marker": ""}
+        plot = dict(facet="task", series="series", x="h2d_bf16_kib", y="recall", logx=True, styles=styles)
+        plot["ylabel"] = "exact attention mass covered"
+        top = max(r["h2d_bf16_kib"] for r in lines)
+        plot["xticks"] = [
+            2**i for i in range(16) if 2**i >= min(r["h2d_bf16_kib"] for r in lines) / 2 and 2**i <= top * 2
+        ]
+        plot["panel_size"] = (7.5, 4.5)
+        plot_facets(f"{self.name}_bytes", f"Mass covered vs host-to-device KiB per step (bf16), {title}", lines, plot)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ from shadowkv_cache.policies import (
     OracleTopK,
     QuantizedKeyTopK,
     Quest,
+    ResidualLandmarkTopK,
     SelectionPolicy,
+    SharedBudgetTopK,
     SnapKV,
     StreamingLLM,
 )
@@ -33,7 +35,7 @@ from shadowkv_cache.quantized_prompt import QuantizedPrompt
 from shadowkv_cache.temporal_cache import TemporalCache
 from shadowkv_cache.token_buffer import TokenBuffer
 
-__all__ = ["EVICTING", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
+__all__ = ["EVICTING", "EXTENSIONS", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
 
 # name -> a fresh policy. "full" (the model's own DynamicCache) is not a policy and is run by the harness.
 METHODS: dict[str, type[SelectionPolicy]] = {
@@ -43,9 +45,13 @@ METHODS: dict[str, type[SelectionPolicy]] = {
     "snapkv": SnapKV,
     "oracle": OracleTopK,
     "yakv": QuantizedKeyTopK,
+    "yakv_residual": ResidualLandmarkTopK,  # the study's extensions (Appendix E, F), run only when asked for
+    "yakv_shared": SharedBudgetTopK,
 }
+EXTENSIONS = frozenset({"yakv_residual", "yakv_shared"})
 # Methods with their own storage mode: the config changes of their prefill (the others share ShadowKV's).
-MODE_CHANGES: dict[str, dict] = {"yakv": {"mode": "yakv"}}
+# Methods with equal changes share one prefill.
+MODE_CHANGES: dict[str, dict] = {name: {"mode": "yakv"} for name in ("yakv", "yakv_residual", "yakv_shared")}
 # Evicting methods: what they did not keep at prefill is gone, so they run with `dense_multi_token_steps=False`
 # (a later chat turn cannot read the whole prompt again, as the offloading methods do by default).
 EVICTING = frozenset({"streaming_llm", "snapkv"})

@@ -105,7 +105,8 @@ def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
     `plot['reference']` (a series value whose x is not a number, e.g. full attention) is drawn in each panel as
     a dashed horizontal line; `plot['logx']` puts x on a log2 scale; `plot['styles']` maps a series to its
     matplotlib `color` / `ls` / `marker` (so that two figures of one run draw a series alike) and sets the
-    legend order.
+    legend order. `plot['xticks']` (with `logx`) replaces the default ticks (every x of the panel);
+    `plot['panel_size']` is a panel's `(width, height)` in inches (default `(3.6, 2.9)`).
     """
     import math
 
@@ -117,7 +118,8 @@ def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
     facets = list(dict.fromkeys(r[plot["facet"]] for r in rows))
     ncols = min(4, len(facets))
     nrows = math.ceil(len(facets) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
+    width, height = plot.get("panel_size", (3.6, 2.9))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
     styles = plot.get("styles", {})
     present = {r[plot["series"]] for r in rows}
     series_names = [s for s in styles if s in present]
@@ -143,7 +145,9 @@ def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
         ax.set_title(str(facet), fontsize=9)
         if plot.get("logx"):
             ax.set_xscale("log", base=2)
-            xs = sorted({r[plot["x"]] for r in mine if isinstance(r.get(plot["x"]), (int, float))})
+            xs = plot.get("xticks") or sorted(
+                {r[plot["x"]] for r in mine if isinstance(r.get(plot["x"]), (int, float))}
+            )
             if xs:
                 ax.set_xticks(xs, [str(x) for x in xs])
                 ax.minorticks_off()
@@ -163,8 +167,8 @@ def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
     handles, labels = list(legend.values()), list(legend)
     ncol = min(4, len(labels))
     legend_rows = math.ceil(len(labels) / ncol) if labels else 0
-    bottom = 0.25 * legend_rows / (2.9 * nrows + 0.25 * legend_rows)
-    fig.set_size_inches(fig.get_figwidth(), 2.9 * nrows + 0.25 * legend_rows + 0.4)
+    bottom = 0.25 * legend_rows / (height * nrows + 0.25 * legend_rows)
+    fig.set_size_inches(fig.get_figwidth(), height * nrows + 0.25 * legend_rows + 0.4)
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, bottom + 0.01, 1, 0.97))

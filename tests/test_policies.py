@@ -26,7 +26,7 @@ from helpers import (
     tiny_model,
 )
 
-from shadowkv_cache import ShadowKVCache
+from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -228,3 +228,50 @@ def test_probe_changes_nothing_and_the_oracle_reaches_the_oracle_recall():
     generate_with(model, prompt, ShadowKVCache(model, policy=full_probe, **full_budget_overrides()), 3)
     recall, _, units = full_probe.totals()
     assert recall == pytest.approx(units, rel=1e-5)  # everything selected: all the mass
+
+
+@pytest.mark.parametrize("name", ["yakv_residual", "yakv_shared"])
+def test_yakv_extension_forks_share_yakvs_prefill_and_are_probed(name):
+    """The extensions fork from one YAKV prefill, decode as their own caches, and the probe measures the shared
+    budget on its valid entries against the shared oracle (all the mass at full budget)."""
+    model, prompt = tiny_model("llama"), random_prompt(180, seed=10)
+    layers = model.config.num_hidden_layers
+    overrides = {"min_compress_len": 64, **MODE_CHANGES[name]}
+    assert MODE_CHANGES[name] == MODE_CHANGES["yakv"]  # one prefill serves all three
+    base = ShadowKVCache(model, policy=PolicyBundle({m: METHODS[m]() for m in ("yakv", name)}), **overrides)
+    forward_with(model, prompt[:, :-1], base)
+    alone = ShadowKVCache(model, policy=METHODS[name](), sparse_budget=24, **overrides)
+    forward_with(model, prompt[:, :-1], alone)
+    ref = generate_with(model, prompt, alone, max_new_tokens=6)
+    probe = SelectionProbe(METHODS[name](), layers)
+    out = generate_with(model, prompt, fork_cache(base, model, name, probe, 24), max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits)
+    recall, oracle, units = probe.totals()
+    assert probe.steps == 6 and 0 < recall <= oracle + 1e-6 <= units + 2e-6
+
+    full = SelectionProbe(METHODS[name](), layers)
+    generate_with(model, prompt, fork_cache(base, model, name, full, 10**6), max_new_tokens=3)
+    recall, oracle, units = full.totals()
+    assert recall == pytest.approx(units, rel=1e-5) and oracle == pytest.approx(units, rel=1e-5)
+
+
+def test_probe_counting_kept_units_covers_the_outliers():
+    """With `count_kept`, outlier chunks join the denominator and count as covered: the oracle still reaches its
+    own bound, a full budget holds all the mass, and no recall exceeds its oracle."""
+    model, prompt = tiny_model("llama"), random_prompt(180, seed=8)
+    layers = model.config.num_hidden_layers
+    overrides = small_budget_overrides()
+    assert ShadowKVConfig(**overrides).resolve(179, 32).outliers > 0  # there are outliers to count
+    probe = SelectionProbe(LandmarkTopK(), layers, count_kept=True)
+    generate_with(model, prompt, ShadowKVCache(model, policy=probe, **overrides), 5)
+    recall, oracle, units = probe.totals()
+    assert 0 < recall <= oracle + 1e-6 <= units + 2e-6
+    oracle_probe = SelectionProbe(OracleTopK(), layers, count_kept=True)
+    generate_with(model, prompt, ShadowKVCache(model, policy=oracle_probe, **overrides), 5)
+    recall, oracle, _ = oracle_probe.totals()
+    assert recall == pytest.approx(oracle, rel=1e-6)
+    full = SelectionProbe(Quest(), layers, count_kept=True)
+    generate_with(model, prompt, ShadowKVCache(model, policy=full, **full_budget_overrides()), 3)
+    recall, _, units = full.totals()
+    assert recall == pytest.approx(units, rel=1e-5)

@@ -107,10 +107,12 @@ class YakvLayer(ShadowKVLayer):
         else:
             k = prompt.max_budget_tokens
             real = real_queries(attention_mask, prompt.slots, self.keys.shape[2], query)
-            ids = self.policy.select(query, prompt.policy_state, prompt.selectable, k, scaling, real)  # [B, Hkv, K]
+            # [B, Hkv, K'] ids and validity: K' = k and each row's first budget_tokens valid, unless the policy
+            # shares the budget across heads (then heads hold different counts and K' may exceed k).
+            ids, sel_valid = self.policy.select_valid(
+                query, prompt.policy_state, prompt.selectable, k, scaling, real, prompt.budget_tokens
+            )
             sel_keys, sel_values = gather_dequant(store, ids, self.quantizer(dim), self.keys.dtype)
-            sel_valid = torch.arange(k, device=query.device) < prompt.budget_tokens[:, None, None]
-            sel_valid = sel_valid.expand(-1, num_kv_heads, -1)
             self.fetched_bytes += prompt.budget_total * num_kv_heads * store.record_bytes
             self.sparse_steps += 1
 

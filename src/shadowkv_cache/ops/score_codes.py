@@ -24,7 +24,7 @@ import torch
 from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer
 
-__all__ = ["code_scores", "code_scores_reference", "score_codes"]
+__all__ = ["attention_scores", "code_scores", "code_scores_reference", "score_codes"]
 
 # Elements of the gathered block per step: 2^24 float32 = 64 MiB.
 _BLOCK_ELEMENTS = 1 << 24
@@ -81,10 +81,18 @@ def code_scores_reference(
     # The query is rotated once per step; the table then scores every code of its KV head.
     table = quantizer.lookup_table(quantizer.rotate(q))  # [B, Hkv, G*T, M, 256]
     logits = score_codes(table, codes, norms, dim) * scaling  # [B, Hkv, G*T, N]
+    return attention_scores(logits, selectable, groups)
+
+
+def attention_scores(logits: torch.Tensor, selectable: torch.Tensor, groups: int) -> torch.Tensor:
+    """Approximate attention `[B, Hkv, N]` from approximate logits `[B, Hkv, G*T, N]` (rows ordered head-major,
+    as `grouped_query(...).flatten(2, 3)`): softmax over the selectable tokens of each query head and token,
+    summed over query tokens, max over the `G` query heads of each KV head. Zero where not selectable."""
+    batch, heads, rows, num = logits.shape
     logits = logits.masked_fill(~selectable[:, :, None, :], float("-inf"))
     # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, q_len, num)
-    return probs.sum(dim=3).amax(dim=2)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(batch, heads, groups, rows // groups, num)
+    return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, N]
 
 
 _MAX_GROUP = 8

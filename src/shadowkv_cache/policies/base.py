@@ -35,6 +35,8 @@ class SelectionPolicy(ABC):
     # How many of the last prefill queries `prepare` wants (SnapKV's observation window); 0 = none. When
     # positive, `prepare` also gets `recent_queries` `[B, Hq, W, D]` and the model's attention `scaling`.
     observation_window: ClassVar[int] = 0
+    # True when the heads of a layer share one budget and so get different counts (`select_valid`).
+    shares_budget: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(
@@ -67,6 +69,17 @@ class SelectionPolicy(ABC):
         hold pads (questions left-padded after a shared document): each row is then scored on its real tokens
         alone, as it would be without the batch (one host synchronisation per row, on such steps only).
         """
+        return self.masked_scores(query, state, selectable, scaling, query_mask).topk(k, dim=-1).indices
+
+    def masked_scores(
+        self,
+        query: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        selectable: torch.Tensor,
+        scaling: float,
+        query_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`score` as float32 `[B, Hkv, N]`, `-inf` where not selectable (`query_mask` as in `select`)."""
         if query_mask is None:
             scores = self.score(query, state, selectable, scaling).float()
         else:
@@ -81,5 +94,27 @@ class SelectionPolicy(ABC):
                     for row in range(query.shape[0])
                 ]
             )
-        scores = scores.masked_fill(~selectable, float("-inf"))
-        return scores.topk(k, dim=-1).indices
+        return scores.masked_fill(~selectable, float("-inf"))
+
+    def select_valid(
+        self,
+        query: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        selectable: torch.Tensor,
+        k: int,
+        scaling: float,
+        query_mask: torch.Tensor | None = None,
+        budget: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices `[B, Hkv, K']` and their validity `[B, Hkv, K']` bool, for layers that let heads differ.
+
+        `budget` (`[B]` int64, *optional*, each `<= k`) is each row's units per KV head. By default this is
+        `select` with `K' = k` and the first `budget[row]` entries of every head valid (all, without `budget`).
+        A policy that shares the budget across heads (`SharedBudgetTopK`) overrides it: its heads get
+        different counts, so `K'` may exceed `k` and the unused entries are marked invalid.
+        """
+        ids = self.select(query, state, selectable, k, scaling, query_mask)
+        if budget is None:
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+        valid = torch.arange(k, device=ids.device) < budget.to(ids.device)[:, None, None]
+        return ids, valid.expand_as(ids)

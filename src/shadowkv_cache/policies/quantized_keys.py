@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.score_codes import code_scores
+from ..ops.score_codes import attention_scores, code_scores
 from ..quant import HiggsQuantizer
 from .base import SelectionPolicy
 
-__all__ = ["QuantizedKeyTopK"]
+__all__ = ["QuantizedKeyTopK", "attention_scores"]
 
 
 class QuantizedKeyTopK(SelectionPolicy):
