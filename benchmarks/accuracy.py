@@ -127,7 +127,7 @@ PLANS = {
         greedy_tokens=8,
         extra_lengths={"fidelity": [8000]},
     ),
-    # Selection quality alone (issue 6, item 6). The ShadowKV-mode methods run with a 64-token local window, so
+    # Selection quality alone. The ShadowKV-mode methods run with a 64-token local window, so
     # that at 3072 tokens (3008 = 376 chunks, no ragged tail) they and YAKV (64 recent tokens) offload the same
     # tokens, and the probe counts ShadowKV's outlier chunks as covered: one denominator for all methods.
     "selection": Plan(
