@@ -129,6 +129,24 @@ def test_multi_token_step_after_compression(model, dense):
     assert_layer_kinds(caches[1], doc.shape[1] + turn.shape[1], selected=not dense)
 
 
+def test_new_turn_after_cropping_the_answer(model):
+    """Multi-turn as the accuracy benchmark runs it: answer, crop the answer, append the next question. Sliding
+    layers can be cropped back past their window only while they record the past (the same for DynamicCache)."""
+    doc, question = random_prompt(260, seed=8), random_prompt(20, seed=9)
+    logits = []
+    for cache in (dynamic_cache(model), ShadowKVCache(model, **full_budget_overrides())):
+        for layer in cache.layers:
+            if layer.is_sliding:
+                layer.activate_past_recording()
+        out = generate_with(model, doc, cache, max_new_tokens=8)
+        cache.crop(-(cache.get_seq_length() - doc.shape[1]))
+        assert cache.get_seq_length() == doc.shape[1]
+        with torch.no_grad():
+            logits.append(model(question, past_key_values=cache, use_cache=True).logits)
+        assert out.sequences.shape[1] == doc.shape[1] + 8
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+
+
 def test_memory_report_counts_sliding_layers_as_exact(model):
     ids = random_prompt(300, seed=7)
     cache = ShadowKVCache(model, **small_budget_overrides())
