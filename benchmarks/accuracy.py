@@ -8,8 +8,9 @@ top-k), for full attention (`DynamicCache`) and every selection policy at equal 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode cpu      # small sample, ~10 min on 2 cores
     python benchmarks/accuracy.py --mode gpu --device cuda --dtype bfloat16  # full sample, ~6-7 min on an H200
 
-(`--tasks`, `--length`, `--samples`, `--budgets`, `--no-sweeps`, `--fidelity-rows`, `--fidelity-lengths` change the
-plan; `--model` picks the model: `smollm2`, or `gemma3` = Gemma 3 270M, extra `gemma`.) Gemma 3 on CPU, ~25 min:
+(`--tasks`, `--length`, `--samples`, `--budgets`, `--no-sweeps`, `--sweep-ranks`, `--sweep-chunks`, `--fidelity-rows`,
+`--fidelity-lengths` change the plan; `--model` picks the model: `smollm2`, or `gemma3` = Gemma 3 270M, extra
+`gemma`.) Gemma 3 on CPU, ~20 min:
 
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --model gemma3 --length 4096 --samples 1 --budgets 64 256 \
         --no-sweeps --fidelity-rows 1 --fidelity-lengths 8192 \
@@ -423,6 +424,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+")
     parser.add_argument("--no-sweeps", action="store_true", help="skip the rank / chunk-size / length sweeps")
     parser.add_argument("--fidelity-rows", type=int, help="natural-text windows of the fidelity task")
+    parser.add_argument("--sweep-ranks", type=int, nargs="*", help="ranks of the sweep (default: the plan's)")
+    parser.add_argument("--sweep-chunks", type=int, nargs="*", help="chunk sizes of the sweep (default: the plan's)")
     parser.add_argument(
         "--fidelity-lengths", type=int, nargs="*", help="other prompt lengths for fidelity (after --no-sweeps too)"
     )
@@ -444,6 +447,10 @@ def main() -> None:
         plan.sweep_tasks, plan.extra_lengths = [], {}
     if args.fidelity_rows:
         plan.fidelity_rows = args.fidelity_rows
+    if args.sweep_ranks is not None:
+        plan.sweep_ranks = args.sweep_ranks
+    if args.sweep_chunks is not None:
+        plan.sweep_chunks = args.sweep_chunks
     if args.fidelity_lengths is not None:
         plan.extra_lengths = {**plan.extra_lengths, "fidelity": args.fidelity_lengths}
     tasks = args.tasks or ["fidelity", *plan.tasks]
@@ -523,7 +530,7 @@ class Report:
     def styles(self, rows: list[dict]) -> dict[str, dict]:
         """One colour per method; solid = exact keys, dashed = the default rank, dotted = other ranks."""
         colors = {"full": "black", **{m: f"C{i}" for i, m in enumerate(METHODS)}}
-        markers = {16: "v", 64: "^", 96: "D"}
+        markers = {16: "v", 64: "^", 96: "D", 128: "P"}
         out = {}
         for r in sorted(rows, key=_series_order):
             exact, default = r["rank"] >= self.key_dim, r["rank"] == self.default_rank
