@@ -9,10 +9,15 @@ top-k), for full attention (`DynamicCache`) and every selection policy at equal 
     python benchmarks/accuracy.py --mode gpu --device cuda --dtype bfloat16  # full sample, ~6-7 min on an H200
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode selection  # mass covered vs bytes per step
 
-(`--tasks`, `--length`, `--samples`, `--budgets`, `--methods`, `--no-sweeps` change the plan; `--model` picks the
-model.) The `selection` plan measures selection alone on natural text (the probe's share of the exact attention
-mass, against the chunk and token oracles) for ShadowKV, YAKV and the study's two YAKV extensions, over a budget
-sweep, and adds `_bytes.png`: mass covered against host-to-device bytes per step.
+(`--tasks`, `--length`, `--samples`, `--budgets`, `--methods`, `--no-sweeps`, `--sweep-ranks`, `--sweep-chunks`,
+`--fidelity-rows`, `--fidelity-lengths` change the plan; `--model` picks the model: `smollm2`, or `gemma3` = Gemma 3
+270M, extra `gemma`.) The `selection` plan measures selection alone on natural text (the probe's share of the exact
+attention mass, against the chunk and token oracles) for ShadowKV, YAKV and the study's two YAKV extensions, over a
+budget sweep, and adds `_bytes.png`: mass covered against host-to-device bytes per step. Gemma 3 on CPU, ~20 min:
+
+    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --model gemma3 --length 4096 --samples 1 --budgets 64 256 \
+        --no-sweeps --fidelity-rows 1 --fidelity-lengths 8192 \
+        --tasks fidelity niah_single_1 niah_multikey_2 multi_needle multi_turn
 
 Writes benchmarks/results/accuracy_<model>_<mode>.{json,md,png} (and `_recall.png`, selection recall against
 budget). Every method runs in the same ShadowKVCache (same low-rank keys, outliers, local window and host value
@@ -41,19 +46,22 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.adapters import sliding_windows
 from shadowkv_cache.fidelity import natural_text_ids
 
 
 def load_model(name: str, dtype: torch.dtype, device: str):
-    """`(model, tokenizer)` of an embedded model (only SmolLM2 so far; Gemma 3 needs its adapter first)."""
-    if name == "smollm2":
-        from shadowkv_cache.embedded_models import load_smollm2
+    """`(model, tokenizer)` of an embedded model: SmolLM2-135M-Instruct or Gemma 3 270M (extra `gemma`)."""
+    from shadowkv_cache import embedded_models
 
-        return load_smollm2(dtype=dtype, device=device)
+    if name == "smollm2":
+        return embedded_models.load_smollm2(dtype=dtype, device=device)
+    if name == "gemma3":
+        return embedded_models.load_gemma3_270m(dtype=dtype, device=device)
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 
-MODELS = ["smollm2"]
+MODELS = ["smollm2", "gemma3"]
 
 
 @dataclass
@@ -192,7 +200,8 @@ class Runner:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.chunk_overrides, self.count_kept = chunk_overrides or {}, count_kept
         text = model.config.get_text_config()
-        self.num_layers = text.num_hidden_layers
+        # The layers ShadowKV compresses (Gemma 3: the full-attention ones; its sliding layers stay exact).
+        self.num_layers = sum(window is None for window in sliding_windows(text))
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.num_kv_heads = text.num_key_value_heads
         self.key_dim = self.num_kv_heads * self.head_dim
@@ -270,7 +279,7 @@ class Runner:
         return {
             "nominal_bytes": nominal,
             "value_bytes_bf16": value_bytes * 2 // self.elem,
-            "rank": int(cache.layers[0].prompt.a.shape[-1]),  # the rank actually used
+            "rank": int(next(layer for layer in cache.layers if layer.prompt).prompt.a.shape[-1]),  # the rank used
             "recall_mass": recall,
             "oracle_mass": oracle,
             "units": units,
@@ -507,6 +516,12 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", help=f"subset of {list(METHODS)} (full attention always runs)")
     parser.add_argument("--no-sweeps", action="store_true", help="skip the rank / chunk-size / length sweeps")
+    parser.add_argument("--fidelity-rows", type=int, help="natural-text windows of the fidelity task")
+    parser.add_argument("--sweep-ranks", type=int, nargs="*", help="ranks of the sweep (default: the plan's)")
+    parser.add_argument("--sweep-chunks", type=int, nargs="*", help="chunk sizes of the sweep (default: the plan's)")
+    parser.add_argument(
+        "--fidelity-lengths", type=int, nargs="*", help="other prompt lengths for fidelity (after --no-sweeps too)"
+    )
     parser.add_argument("--out", help="results name (default accuracy_<model>_<mode>)")
     parser.add_argument("--replot", action="store_true", help="re-render the Markdown and plots of a stored run")
     parser.add_argument(
@@ -528,6 +543,14 @@ def main() -> None:
         plan.methods = args.methods
     if args.no_sweeps:
         plan.sweep_tasks, plan.extra_lengths = [], {}
+    if args.fidelity_rows:
+        plan.fidelity_rows = args.fidelity_rows
+    if args.sweep_ranks is not None:
+        plan.sweep_ranks = args.sweep_ranks
+    if args.sweep_chunks is not None:
+        plan.sweep_chunks = args.sweep_chunks
+    if args.fidelity_lengths is not None:
+        plan.extra_lengths = {**plan.extra_lengths, "fidelity": args.fidelity_lengths}
     tasks = args.tasks or ["fidelity", *plan.tasks]
     unknown = sorted(set(tasks) - {"fidelity", *TASKS})
     if unknown:
@@ -606,7 +629,7 @@ class Report:
     def styles(self, rows: list[dict]) -> dict[str, dict]:
         """One colour per method; solid = exact keys, dashed = the default rank, dotted = other ranks."""
         colors = {"full": "black", **{m: f"C{i + (i >= 7)}" for i, m in enumerate(METHODS)}}
-        markers = {16: "v", 64: "^", 96: "D"}
+        markers = {16: "v", 64: "^", 96: "D", 128: "P"}
         out = {}
         for r in sorted(rows, key=_series_order):
             exact, default = r["rank"] >= self.key_dim, r["rank"] == self.default_rank

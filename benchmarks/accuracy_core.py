@@ -16,7 +16,15 @@ import warnings
 import torch
 from tasks import Sample
 
-__all__ = ["answer_turns", "cache_kwarg", "left_pad", "prefill", "render_segments", "teacher_forced"]
+__all__ = [
+    "answer_turns",
+    "cache_kwarg",
+    "keep_sliding_past",
+    "left_pad",
+    "prefill",
+    "render_segments",
+    "teacher_forced",
+]
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
 
@@ -90,6 +98,8 @@ def answer_turns(
     ids, mask = left_pad([s[0] for s in segments], pad)
     ids, mask = ids.to(device), mask.to(device)
     answers: list[list[str]] = [[] for _ in samples]
+    if len(samples[0].turns) > 1:
+        keep_sliding_past(cache)
     for k in range(len(samples[0].turns)):
         if k:
             extra = [s[k] for s in segments]
@@ -111,6 +121,15 @@ def answer_turns(
         for row, text in enumerate(texts):
             answers[row].append(samples[row].turns[k].answer_prefix + text)
     return answers
+
+
+def keep_sliding_past(cache) -> None:
+    """Let sliding-window layers (Gemma 3) be cropped back after a turn's answer: they keep the tokens that slid
+    out until the next `crop`, which restores the window exactly (Transformers' `activate_past_recording`).
+    Only those layers: the other layers of any cache keep every token anyway."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
 
 
 @torch.no_grad()

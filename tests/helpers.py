@@ -3,7 +3,9 @@
 Legend: B batch, S prompt tokens, Hkv KV heads, D head dim, V vocab.
 
 Every tiny model has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head dim 16
-(so `Hkv*D = 32`), vocab 128, fp32, in eval mode, with seeded random weights.
+(so `Hkv*D = 32`), vocab 128, fp32, in eval mode, with seeded random weights. The tiny Gemma 3
+(`gemma3_text`, not in `ARCHS`: only its full-attention layers are compressed) has 4 layers, sliding and
+full attention alternating, a 16-token sliding window and `query_pre_attn_scalar` 32 (scaling 1/√32, not 1/√D).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 __all__ = [
     "ARCHS",
+    "GEMMA3",
     "HEAD_DIM",
     "HIDDEN",
     "KEY_DIM",
@@ -50,6 +53,18 @@ PAD = 0
 # same and a top-k choice hangs on round-off. A wider init gives peaked attention, closer to a real model.
 INIT_RANGE = 0.15
 
+GEMMA3 = "gemma3_text"
+SLIDING_WINDOW = 16
+# Per-architecture settings on top of the common ones.
+_ARCH_CONFIG = {
+    GEMMA3: {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": SLIDING_WINDOW,
+        "query_pre_attn_scalar": 32,
+    },
+}
+
 
 def make_tiny_model(arch: str, seed: int | None = None, **config_overrides) -> torch.nn.Module:
     """A fresh tiny random `*ForCausalLM` of `arch` (fp32, eval). Each arch gets its own default seed.
@@ -72,6 +87,7 @@ def make_tiny_model(arch: str, seed: int | None = None, **config_overrides) -> t
         "eos_token_id": None,
         "tie_word_embeddings": False,
         "initializer_range": INIT_RANGE,
+        **_ARCH_CONFIG.get(arch, {}),
     }
     kwargs.update(config_overrides)
     config = AutoConfig.for_model(arch, **kwargs)

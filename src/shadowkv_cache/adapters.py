@@ -8,6 +8,10 @@ which sees neither the cache nor the pre-RoPE keys. Two public seams fill the ga
   records the exact pre-RoPE keys; inverting RoPE from bf16 cos/sin would be off by about one ulp;
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
+The wrapper sees the key as the attention module hands it to RoPE, so per-head norms applied before RoPE (Qwen3,
+Gemma 3 `k_norm`) are part of the recorded pre-RoPE key. Models with sliding-window layers (`config.layer_types`,
+Gemma 3) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
+are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers).
 Nothing is patched at import; `patch_model` is idempotent and `unpatch_model` undoes it.
 """
 
@@ -31,6 +35,7 @@ __all__ = [
     "StepContext",
     "current_step",
     "patch_model",
+    "sliding_windows",
     "unpatch_model",
 ]
 
@@ -40,6 +45,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mistral": "transformers.models.mistral.modeling_mistral",
     "qwen2": "transformers.models.qwen2.modeling_qwen2",
     "qwen3": "transformers.models.qwen3.modeling_qwen3",
+    "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
 }
 
 ATTENTION_NAME = "shadowkv"
@@ -76,30 +82,36 @@ class ModelAdapter:
 
     @property
     def rope(self) -> ModelRope:
-        """The model's RoPE at given positions, as the key rebuild needs it."""
-        return ModelRope(self.rotary_emb, self.apply_rotary)
+        """The model's RoPE at given positions, as the key rebuild of the compressed (full-attention) layers
+        needs it."""
+        # A rotary module with per-layer-type tables (Gemma 3: θ 1e6 global, 1e4 local) is asked for the global one.
+        layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
+        return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
 
 
 class ModelRope:
     """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way.
 
     `inv_freq` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE in-kernel
-    (Llama-3 / YaRN scaling is already folded into them).
+    (Llama-3 / YaRN scaling is already folded into them). `layer_type` names the table of a rotary module that
+    keeps one per layer type (Gemma 3's `Gemma3RotaryEmbedding`); `None` for the usual single table.
     """
 
-    def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable):
-        self.rotary_emb, self.apply_rotary = rotary_emb, apply_rotary
+    def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable, layer_type: str | None = None):
+        self.rotary_emb, self.apply_rotary, self.layer_type = rotary_emb, apply_rotary, layer_type
+        self._prefix = f"{layer_type}_" if layer_type else ""
 
     @property
     def inv_freq(self) -> torch.Tensor | None:
-        return getattr(self.rotary_emb, "inv_freq", None)
+        return getattr(self.rotary_emb, f"{self._prefix}inv_freq", None)
 
     @property
     def attention_scaling(self) -> float:
-        return float(getattr(self.rotary_emb, "attention_scaling", 1.0))
+        return float(getattr(self.rotary_emb, f"{self._prefix}attention_scaling", 1.0))
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary_emb(keys, positions)
+        extra = (self.layer_type,) if self.layer_type else ()
+        cos, sin = self.rotary_emb(keys, positions, *extra)
         _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
         return rotated[:, 0]
 
@@ -120,7 +132,37 @@ def check_supported(model: nn.Module) -> str:
             f"ShadowKVCache does not support the '{model_type}' architecture yet. Supported: "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Use transformers.DynamicCache for this model."
         )
+    text = model.config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", False):
+        # Sparse decoding assumes causal attention (the prompt never sees later tokens).
+        raise ValueError(
+            f"ShadowKVCache needs causal attention; this {model_type} model has use_bidirectional_attention=True "
+            "(an encoder such as EmbeddingGemma). Use it without a cache."
+        )
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        # SDPA (the model's own and the sparse step) has no logit soft-capping, so results would differ from eager.
+        raise ValueError(
+            f"ShadowKVCache does not support attention logit soft-capping (attn_logit_softcapping="
+            f"{text.attn_logit_softcapping}); set it to None or use DynamicCache with eager attention."
+        )
+    sliding_windows(text)  # unknown layer types raise here, before anything is patched
     return model_type
+
+
+def sliding_windows(text_config: Any) -> list[int | None]:
+    """Per layer: the sliding window of a `sliding_attention` layer (kept exact, never compressed), else `None`.
+
+    Read from `config.layer_types` (Gemma 3: five local layers per global one); a config without it has only
+    full-attention layers here.
+    """
+    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"ShadowKVCache does not support layer types {unknown} (config.layer_types); it handles "
+            "'full_attention' (compressed) and 'sliding_attention' (kept exact). Use DynamicCache for this model."
+        )
+    return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
 
 
 def patch_model(model: nn.Module) -> ModelAdapter:

@@ -12,11 +12,12 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from . import microbatch, prefix
-from .adapters import check_supported, patch_model
+from .adapters import check_supported, patch_model, sliding_windows
 from .config import ShadowKVConfig
 from .layer import ShadowKVLayer
 from .memory_report import LayerMemory, MemoryReport
 from .policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
+from .sliding_layer import SlidingLayer
 from .value_codecs import check_value_format
 from .yakv_layer import YakvLayer
 
@@ -34,8 +35,10 @@ class ShadowKVCache(Cache):
     the device; the top tokens per KV head are fetched (SPEC §4, `YakvLayer`).
 
     Args:
-        model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3); it is patched
-            (attention function, rotary hook) reversibly, see `shadowkv_cache.unpatch_model`.
+        model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text); it is
+            patched (attention function, rotary hook) reversibly, see `shadowkv_cache.unpatch_model`. Layers of
+            type `sliding_attention` (`config.layer_types`) stay exact sliding-window layers (`SlidingLayer`);
+            only full-attention layers are compressed.
         config (`ShadowKVConfig`, *optional*): settings; the paper's defaults scaled to the model when omitted.
         policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`, or `QuantizedKeyTopK()` in YAKV
             mode): how chunks (YAKV: tokens) are scored.
@@ -91,7 +94,10 @@ class ShadowKVCache(Cache):
         self.config = config
         self.policy = policy or (QuantizedKeyTopK(config.score_grid_dim) if yakv else LandmarkTopK())
         layer_class = YakvLayer if yakv else ShadowKVLayer
-        layers = [layer_class(config, self.policy, adapter.rope) for _ in range(text_config.num_hidden_layers)]
+        layers = [
+            layer_class(config, self.policy, adapter.rope) if window is None else SlidingLayer(window)
+            for window in sliding_windows(text_config)
+        ]
         super().__init__(layers=layers)
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
@@ -120,6 +126,7 @@ class ShadowKVCache(Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document `input_ids` (`[S]` or `[1, S]`), ready to `save_prefix` or
         `fork`: one forward pass (no generation), with a per-layer progress bar if `progress`."""
+        _refuse_sliding_prefix(model, "prefill")
         cache = cls(model, config, policy, **overrides)
         ids = prefix.as_prefix_ids(input_ids)
         prefix.prefill(model, ids, cache, progress=progress)
@@ -189,6 +196,7 @@ class ShadowKVCache(Cache):
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
+        _refuse_sliding_prefix(model, "save_prefix")
         if input_ids is None and self._prefix_ids is None:
             raise prefix.PrefixCacheError(
                 "save_prefix needs the document's ids: pass input_ids=..., or make the cache with "
@@ -221,6 +229,7 @@ class ShadowKVCache(Cache):
                 "load_prefix does not support mode='yakv' yet (prefix files hold ShadowKV-mode prompts); "
                 "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
             )
+        _refuse_sliding_prefix(model, "load_prefix")
         state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides)
         cache = cls(model, state.config, state.policy)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
@@ -236,6 +245,8 @@ class ShadowKVCache(Cache):
         tokens. This cache is left as it is, so it can be forked again. For a batch of questions build the
         input with `shadowkv_cache.prefix.batch_questions`.
         """
+        if any(isinstance(layer, SlidingLayer) for layer in self.layers):
+            raise NotImplementedError(_SLIDING_PREFIX.format(what="fork"))
         rows = {layer.keys.shape[0] for layer in self.layers if layer.is_initialized}
         after = {layer.keys.shape[2] for layer in self.layers if layer.is_compressed}
         known = self._prefix_ids is not None and self.get_seq_length() != len(self._prefix_ids)
@@ -278,3 +289,14 @@ class ShadowKVCache(Cache):
     def __repr__(self) -> str:
         compressed = sum(layer.is_compressed for layer in self.layers)
         return f"ShadowKVCache({self.config}, compressed_layers={compressed}/{len(self.layers)})"
+
+
+_SLIDING_PREFIX = (
+    "ShadowKVCache.{what} does not support models with sliding-window layers (Gemma 3) yet: a saved or shared "
+    "prefix would have to hold each sliding layer's window as well. Prefill the document in each cache instead."
+)
+
+
+def _refuse_sliding_prefix(model: nn.Module, what: str) -> None:
+    if any(window is not None for window in sliding_windows(model.config.get_text_config())):
+        raise NotImplementedError(_SLIDING_PREFIX.format(what=what))

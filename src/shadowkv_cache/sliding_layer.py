@@ -1,0 +1,35 @@
+"""`SlidingLayer`: a sliding-window layer of a `ShadowKVCache`, kept exact (SPEC §9).
+
+Legend: B batch, Hkv KV heads, W sliding window, D head dim.
+
+Models that alternate local and global attention (Gemma 3: five sliding-window layers per full-attention layer)
+hold at most `W - 1` tokens per sliding layer, so there is nothing worth compressing there: those layers keep
+Transformers' own `DynamicSlidingWindowLayer`, which makes them behave exactly as under the model's
+`DynamicCache`, and ShadowKV compresses the full-attention layers only. This subclass adds the few read-only
+attributes that `ShadowKVCache` asks of each of its layers.
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+__all__ = ["SlidingLayer"]
+
+
+class SlidingLayer(DynamicSlidingWindowLayer):
+    """Transformers' `DynamicSlidingWindowLayer` (keys/values `[B, Hkv, min(S, W - 1), D]`), never compressed.
+
+    Args:
+        sliding_window (`int`): the layer's window `W` (`config.sliding_window`).
+    """
+
+    prompt = None  # no compressed prompt
+    temporal = None  # no temporal cache, so no hits or lookups in the memory report
+    is_compressed = False
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """(device bytes, host bytes, bytes a `DynamicCache` would hold): the same window in both caches."""
+        if not self.is_initialized:
+            return 0, 0, 0
+        exact = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return exact, 0, exact
