@@ -143,7 +143,7 @@ class ShadowKVLayer(DynamicLayer):
     def fork(self, batch_size: int) -> ShadowKVLayer:
         """A layer of `batch_size` rows that starts from this one-row prefix and shares it: `expand` views of its
         tensors and of its host values, no copy. Each row gets its own temporal cache and new tokens."""
-        layer = ShadowKVLayer(self.config, self.policy, self.rope)
+        layer = type(self)(self.config, self.policy, self.rope)
         if self.is_initialized:
             shape = (batch_size, *self.keys.shape[1:])
             prompt = self.prompt.shared(batch_size) if self.prompt is not None else None

@@ -60,12 +60,8 @@ class YakvLayer(ShadowKVLayer):
         self.prompt = prompt
 
     def fork(self, batch_size: int) -> YakvLayer:
-        layer = YakvLayer(self.config, self.policy, self.rope)
+        layer = super().fork(batch_size)
         layer._quantizer = self._quantizer  # its tables are already on the device: no copy at the first step
-        if self.is_initialized:
-            shape = (batch_size, *self.keys.shape[1:])
-            prompt = self.prompt.shared(batch_size) if self.prompt is not None else None
-            layer.set_prefix(prompt, self.keys.expand(shape), self.values.expand(shape))
         return layer
 
     # -- compression at prefill ----------------------------------------------------------------------------
