@@ -222,7 +222,8 @@ class ShadowKVCache(Cache):
 
         The file's model identity, config, version and every tensor's shape and dtype are checked before
         anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
-        `pin_memory` may differ from the saved config. The temporal cache starts empty.
+        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. The temporal
+        cache starts empty.
         """
         if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
             raise prefix.PrefixCacheError(
