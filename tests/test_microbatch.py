@@ -320,3 +320,13 @@ def test_on_cuda_pinned_values_and_lower_peak_memory():
     ref = generate_with(model, ids.cuda(), ref_cache, attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)
     assert torch.equal(out.sequences, ref.sequences)
     assert_logits_close(out.logits, ref.logits, atol=1e-4)
+
+
+def test_yakv_mode_is_refused_before_the_model_runs(monkeypatch):
+    model = tiny_model("llama")
+    ids, mask = batch((300, 220))
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(NotImplementedError, match="mode='yakv'"):
+        ShadowKVCache.prefill_batch(model, ids, mask, mode="yakv", min_compress_len=64)
+    assert not calls

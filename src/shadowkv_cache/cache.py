@@ -165,6 +165,11 @@ class ShadowKVCache(Cache):
         >>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
         """
         ids, mask = microbatch.check_batch(input_ids, attention_mask, micro_batch_size)
+        if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
+            raise NotImplementedError(
+                "ShadowKVCache.prefill_batch joins ShadowKV-mode prompts only; with mode='yakv' prefill the batch "
+                "in one forward (model.generate with a fresh ShadowKVCache(model, mode='yakv'))."
+            )
         cache = cls(model, config, policy, **overrides)
         ids, mask = ids[:, :-1], mask[:, :-1]
         parts = microbatch.prefill_parts(
