@@ -59,6 +59,9 @@ class ShadowKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.prompt = self.temporal = self.new = self._graph = None
+        # Dropped, not zeroed: Transformers < 5.18 zeroes the tensors in place and keeps their length.
+        self.keys = self.values = None
+        self.is_initialized = False
         super().reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
