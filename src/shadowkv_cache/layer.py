@@ -115,14 +115,15 @@ class ShadowKVLayer(DynamicLayer):
 
     def _select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.keys.device)
-        self.keys, self.values = self.keys[index], self.values[index]
         if self.prompt is not None:
             self.prompt = self.prompt.select_rows(index)
         if self.temporal is not None:
             self.temporal = self.temporal.select_rows(index)
-        if self.new is not None:
+        if self.new is not None:  # the buffer's rows are copied; `keys`/`values` are views of them
             self.new = self.new.select_rows(index)
             self.keys, self.values = self.new.held()
+        else:
+            self.keys, self.values = self.keys[index], self.values[index]
         self._graph = None
 
     # -- prefix reuse -------------------------------------------------------------------------------------------
@@ -283,8 +284,8 @@ class ShadowKVLayer(DynamicLayer):
         """(device bytes, host bytes, bytes a `DynamicCache` would hold for the same tokens)."""
         if not self.is_initialized:
             return 0, 0, 0
-        exact = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         if self.prompt is None:
+            exact = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
             return exact, 0, exact
         batch, heads, _, dim = self.keys.shape
         full = 2 * batch * heads * self.get_seq_length() * dim * self.keys.element_size()

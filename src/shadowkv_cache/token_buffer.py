@@ -27,15 +27,10 @@ class TokenBuffer:
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0):
-        batch, heads, held, dim = keys.shape
+        held = keys.shape[2]
         self.length = held
-        capacity = max(held, capacity)
-        self.keys = keys.new_zeros((batch, heads, capacity, dim))
-        self.values = values.new_zeros((batch, heads, capacity, values.shape[-1]))
-        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=keys.device)
-        self.keys[:, :, :held] = keys
-        self.values[:, :, :held] = values
-        self.valid[:, :held] = True
+        valid = torch.ones((keys.shape[0], held), dtype=torch.bool, device=keys.device)
+        self._place(keys, values, valid, max(held, capacity))
 
     @property
     def capacity(self) -> int:
@@ -79,11 +74,16 @@ class TokenBuffer:
         return out
 
     def _grow(self, capacity: int) -> None:
-        keys, values, valid = self.keys, self.values, self.valid
-        batch, heads, _, dim = keys.shape
-        self.keys = keys.new_zeros((batch, heads, capacity, dim))
-        self.values = values.new_zeros((batch, heads, capacity, values.shape[-1]))
-        self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=keys.device)
-        self.keys[:, :, : self.length] = keys[:, :, : self.length]
-        self.values[:, :, : self.length] = values[:, :, : self.length]
-        self.valid[:, : self.length] = valid[:, : self.length]
+        n = self.length
+        self._place(self.keys[:, :, :n], self.values[:, :, :n], self.valid[:, :n], capacity)
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, capacity: int) -> None:
+        """New zeroed buffers of `capacity` slots that start with `keys`/`values` `[B, Hkv, G, D]`, `valid` `[B, G]`."""
+        batch, heads, held, dim = keys.shape
+        new_keys = keys.new_zeros((batch, heads, capacity, dim))
+        new_values = values.new_zeros((batch, heads, capacity, values.shape[-1]))
+        new_valid = torch.zeros((batch, capacity), dtype=torch.bool, device=keys.device)
+        new_keys[:, :, :held] = keys
+        new_values[:, :, :held] = values
+        new_valid[:, :held] = valid
+        self.keys, self.values, self.valid = new_keys, new_values, new_valid
