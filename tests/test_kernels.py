@@ -129,6 +129,22 @@ def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
     assert torch.equal(shared, private)
 
 
+def gather_by_kernel_and_twin(store, heads, slots, chunks, c, dim, dtype, read_chunk_zero=False):
+    """Random slots of 3 cache rows (`[3, heads, slots, c, dim]`, half of them missed) filled from `store` by the
+    kernel and by the twin from the same start: `(got, ref, miss)`. `read_chunk_zero`: row 0, head 0, slot 0 misses
+    and reads chunk 0."""
+    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
+    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
+    if read_chunk_zero:
+        ids[0, 0, 0], miss[0, 0, 0] = 0, True
+    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
+    ref = got.clone()
+    gather_values(got, ids, miss, store)
+    gather_values_reference(ref, ids, miss, store)
+    torch.cuda.synchronize()
+    return got, ref, miss
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 5), (4, 2, 77, 77, 8, 64)]
@@ -137,13 +153,7 @@ def test_gather_values_kernel_matches_twin(dtype, rows, heads, slots, chunks, c,
     data = torch.randn(rows, heads, chunks, c, dim).to(dtype)
     store = HostValueStore.offload(data.cuda(), pin=True).select_rows(torch.tensor([rows - 1, 0, rows - 1]))
     assert store.data.is_pinned()
-    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
-    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
-    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
-    ref = got.clone()
-    gather_values(got, ids, miss, store)
-    gather_values_reference(ref, ids, miss, store)
-    torch.cuda.synchronize()
+    got, ref, _ = gather_by_kernel_and_twin(store, heads, slots, chunks, c, dim, dtype)
     assert torch.equal(got, ref)
 
 
@@ -158,15 +168,7 @@ def test_gather_values_fp8_kernel_matches_twin(dtype, rows, heads, slots, chunks
     store = HostValueStore.offload(data.to(dtype).cuda(), pin=True, value_format="fp8")
     store = store.select_rows(torch.tensor([rows - 1, 0, rows - 1]))
     assert store.data.is_pinned() and store.scales.is_pinned()
-    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
-    ids[0, 0, 0] = 0  # the all-zero chunk
-    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
-    miss[0, 0, 0] = True
-    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
-    ref = got.clone()
-    gather_values(got, ids, miss, store)
-    gather_values_reference(ref, ids, miss, store)
-    torch.cuda.synchronize()
+    got, ref, _ = gather_by_kernel_and_twin(store, heads, slots, chunks, c, dim, dtype, read_chunk_zero=True)
     assert torch.equal(got, ref)
 
 
@@ -181,13 +183,7 @@ def test_gather_values_higgs4_kernel_matches_twin(dtype, rows, heads, slots, chu
     store = HostValueStore.offload(data.to(dtype).cuda(), pin=True, value_format="higgs4")
     store = store.select_rows(torch.tensor([rows - 1, 0, rows - 1]))
     assert store.data.is_pinned() and store.scales.is_pinned()
-    ids = torch.randint(0, chunks, (3, heads, slots), device=CUDA)
-    miss = torch.rand(3, heads, slots, device=CUDA) < 0.5
-    got = torch.randn(3, heads, slots, c, dim, device=CUDA).to(dtype)
-    ref = got.clone()
-    gather_values(got, ids, miss, store)
-    gather_values_reference(ref, ids, miss, store)
-    torch.cuda.synchronize()
+    got, ref, miss = gather_by_kernel_and_twin(store, heads, slots, chunks, c, dim, dtype)
     assert torch.equal(got[~miss], ref[~miss])  # hits untouched
     # Per vector: off by float32 round-off of a D-term sum, then at most one step of the output dtype.
     scale = ref.float().abs().amax(-1, keepdim=True)
