@@ -11,6 +11,10 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
    weights the hit rate is meaningless and it sets the PCIe bytes, so the ShadowKV sweep runs a query stream
    whose selection keeps a share h of the previous step's chunks by construction (h = 0.6 by default, about
    what SmolLM2 measured), and the best batch is rerun at h = 0, 0.8 and with the model's own selection.
+3. with `--methods ...,yakv`, YAKV mode too: a real prefill at batch 1 (its quantisation share), then a batch
+   sweep with a synthetic fill (random 2-bit scoring codes on the GPU, random 4-bit key and value records in
+   pinned host memory) up to the host budget. YAKV keeps no temporal cache: every step fetches every selected
+   token's record, so there is no hit rate to set.
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
@@ -40,6 +44,8 @@ from results_io import RESULTS, environment, write_results  # noqa: E402
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: E402
 from shadowkv_cache.compressed_prompt import CompressedPrompt  # noqa: E402
 from shadowkv_cache.pinned_pool import pinned_pool  # noqa: E402
+from shadowkv_cache.quantized_prompt import QuantizedPrompt  # noqa: E402
+from shadowkv_cache.quantized_store import QuantizedKVStore  # noqa: E402
 from shadowkv_cache.value_codecs import value_codec  # noqa: E402
 from shadowkv_cache.value_store import HostValueStore  # noqa: E402
 
@@ -232,6 +238,71 @@ def fill_shadowkv(
     return cache
 
 
+def yakv_record_bytes(config, head_dim) -> int:
+    """E: bytes of one (row, head, token) host record in YAKV mode (two fp16 norms + key and value codes)."""
+    return 2 * (head_dim // config.host_grid_dim) + 4
+
+
+def yakv_host_bytes_per_row(cfg, config, length) -> int:
+    """Host bytes of one row's quantised keys and values in one layer (YAKV mode)."""
+    size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
+    return size.num_chunks * cfg.num_key_value_heads * yakv_record_bytes(config, cfg.head_dim)
+
+
+def fill_yakv(model, cache: ShadowKVCache, batch, length, device, host_blocks: list[torch.Tensor] | None):
+    """Synthetic YAKV prompts for every layer: random ~2-bit scoring codes on the device and random ~4-bit
+    records in pinned host memory (carved from `host_blocks[layer]` if given), one per row. Codes are uniform
+    random grid indices and norms ~sqrt(D), so dequantised keys and values are well-formed vectors; their
+    content does not change the work of a step (every step scores every token and fetches the top k)."""
+    cfg, config = model.config, cache.config
+    hkv, d, dtype = cfg.num_key_value_heads, cfg.head_dim, model.dtype
+    size = config.resolve(length, hkv * d)
+    n, k, w = size.num_chunks, size.budget_chunks, size.local
+    e, m = yakv_record_bytes(config, d), d // config.score_grid_dim
+    norm = torch.tensor([d**0.5], dtype=torch.float16).view(torch.uint8)  # its two bytes
+    one_row = torch.randint(0, 256, (hkv, n, e), dtype=torch.uint8)
+    one_row[..., 0:2], one_row[..., 2:4] = norm, norm  # key and value norms: a finite fp16, not random bits
+    for i, layer in enumerate(cache.layers):
+        shape = (batch, hkv, n, e)
+        if host_blocks is not None:
+            data = host_blocks[i][: math.prod(shape)].view(shape)
+        else:
+            data = torch.empty(shape, dtype=torch.uint8)
+        data.copy_(one_row.expand(shape))
+        store = QuantizedKVStore(data, torch.arange(batch))
+        store._device_row_map = torch.arange(batch, device=device)
+        prompt = QuantizedPrompt(
+            policy_state={
+                "codes": torch.randint(0, 256, (batch, hkv, n, m), dtype=torch.uint8, device=device),
+                "norms": torch.full((batch, hkv, n), d**0.5, dtype=torch.float16, device=device),
+            },
+            real=torch.ones(batch, n, dtype=torch.bool, device=device),
+            budget_tokens=torch.full((batch,), k, dtype=torch.int64, device=device),
+            budget_host=torch.full((batch,), k, dtype=torch.int64),
+            local_keys=torch.randn(batch, hkv, w, d, device=device, dtype=dtype),
+            local_values=torch.randn(batch, hkv, w, d, device=device, dtype=dtype),
+            local_valid=torch.ones(batch, w, dtype=torch.bool, device=device),
+            store=store,
+            slots=length,
+            max_budget_tokens=k,
+        )
+        empty = torch.empty(batch, hkv, 0, d, device=device, dtype=dtype)
+        layer.set_prefix(prompt, empty, empty)
+    return cache
+
+
+def yakv_bound(cfg, config, length, batch, weights, hbm_bw):
+    """Seconds per step that bytes alone allow in YAKV mode: HBM (weights, scoring codes and norms, attended
+    set) + PCIe (every selected token's record, each step: YAKV keeps no temporal cache)."""
+    size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
+    attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
+    hbm = weights + batch * cfg.num_hidden_layers * (scoring + 3 * attended)  # dequant write, cat write/read
+    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * yakv_record_bytes(config, d)
+    return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
+
+
 def decode(model, cache, batch, warm, steps, device):
     """Seconds per step over `steps` timed forwards after `warm` ones (greedy next token, no sampling)."""
     tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
@@ -240,8 +311,9 @@ def decode(model, cache, batch, warm, steps, device):
             if i == warm:
                 if isinstance(cache, ShadowKVCache):
                     for layer in cache.layers:
-                        layer.temporal.hits.zero_()
-                        layer.temporal.lookups.zero_()
+                        if getattr(layer, "temporal", None) is not None:  # YAKV keeps no temporal cache
+                            layer.temporal.hits.zero_()
+                            layer.temporal.lookups.zero_()
                 sync(device)
                 t = time.perf_counter()
             logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -349,7 +421,7 @@ def main() -> None:
     p.add_argument("--host-gib", type=float, default=96.0, help="host memory the ShadowKV sweep may pin")
     p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
     p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")
-    p.add_argument("--methods", default="dynamic,static,shadowkv", help="which sweeps to run")
+    p.add_argument("--methods", default="dynamic,static,shadowkv", help="which sweeps to run (also: yakv)")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
@@ -393,8 +465,11 @@ def main() -> None:
                 shape = (1, cfg.num_key_value_heads, size.num_chunks, config.chunk_size, cfg.head_dim)
                 warm_pool = [pinned_pool().allocate(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]
                 del warm_pool
-            for method in ("dynamic", "shadowkv"):
-                cache = DynamicCache(config=cfg) if method == "dynamic" else ShadowKVCache(model, config=config)
+            for method in ("dynamic", "shadowkv", "yakv") if "yakv" in args.methods else ("dynamic", "shadowkv"):
+                if method == "dynamic":
+                    cache = DynamicCache(config=cfg)
+                else:
+                    cache = ShadowKVCache(model, config=dataclasses.replace(config, mode=method))
                 free(device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
@@ -406,8 +481,8 @@ def main() -> None:
                 times[method] = time.perf_counter() - t
                 log(f"prefill {length} {method}: {times[method]:.2f} s")
                 row = dict(context=length, method=method, fill="real prefill", batch=1, prefill_s=times[method])
-                if method == "shadowkv":
-                    row["compress_share"] = (times["shadowkv"] - times["dynamic"]) / times["shadowkv"]
+                if method != "dynamic":
+                    row["compress_share"] = (times[method] - times["dynamic"]) / times[method]
                     steps = GENERATED_FOR_MEMORY if not args.small else 8
                     step = decode(model, cache, 1, 0, steps, device)
                     report = cache.memory_report()
@@ -479,8 +554,8 @@ def main() -> None:
     # at the best batch. The host budget bounds the batch: quantised values fit more rows into it.
     host_budget = args.host_gib * 2**30
     host_blocks = None
-    if (
-        device.type == "cuda" and "shadowkv" in methods
+    if device.type == "cuda" and (
+        "shadowkv" in methods or "yakv" in methods
     ):  # pinned once for every context and format: one flat block per layer, reused
         t = time.perf_counter()
         host_blocks = [pinned_pool().allocate((int(host_budget // cfg.num_hidden_layers),), torch.uint8)
@@ -539,30 +614,71 @@ def main() -> None:
                     plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
             free(device)
 
-    # Summary against the targets, per value format.
+    # 4. YAKV mode (synthetic fill): every step scores every token from the device codes and fetches the top
+    # k tokens' 4-bit key and value records; no temporal cache, so no hit rate to control.
+    yakv_config = dataclasses.replace(config, mode="yakv")
+    for length in contexts if "yakv" in methods else []:
+        row_host = yakv_host_bytes_per_row(cfg, yakv_config, length)
+        max_rows = max(1, int((host_budget // cfg.num_hidden_layers) // row_host))
+        sweep = [b for b in batches if b <= max_rows]
+        if max_rows not in sweep and max_rows < batches[-1]:
+            sweep.append(max_rows)
+        log(f"yakv {length}: host records {row_host * cfg.num_hidden_layers / 2**30:.2f} GiB per row, "
+            f"up to {max_rows} rows")  # fmt: skip
+        for batch in sweep:
+            cache = None
+            try:
+                free(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                cache = ShadowKVCache(model, config=yakv_config)
+                fill_yakv(model, cache, batch, length, device, host_blocks)
+                step = decode(model, cache, batch, args.warm, args.steps, device)
+            except torch.OutOfMemoryError:
+                log(f"yakv {length} batch {batch}: out of GPU memory")
+                del cache
+                free(device)
+                break
+            bound, hbm, pcie = yakv_bound(cfg, yakv_config, length, batch, weights, hbm_bw)
+            rec.add(dict(context=length, method="yakv", value_format="higgs4 k+v", fill="synthetic", batch=batch,
+                         tok_s=batch / step, step_ms=step * 1e3, peak_gpu_gib=torch.cuda.max_memory_allocated(device)
+                         / 2**30 if device.type == "cuda" else None,
+                         host_gib=batch * row_host * cfg.num_hidden_layers / 2**30, bound_ms=bound * 1e3,
+                         hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
+            del cache
+            free(device)
+
+    # Summary against the targets, per method and value format, as ratios to the baselines of this run.
     for length in contexts:
         dyn = best.get(length)
         roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
         roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
-        for value_format in args.value_formats.split(","):
-            at_h = [
+        tops = {}
+        for method, value_format in [("shadowkv", f) for f in args.value_formats.split(",")] + [("yakv", None)]:
+            rows = [
                 r
                 for r in rec.rows
                 if r["context"] == length
-                and r["method"] == "shadowkv"
-                and r.get("value_format") == value_format
-                and r.get("h_target") == args.h_sweep
+                and r["method"] == method
+                and (method == "yakv" or (r.get("value_format") == value_format and r.get("h_target") == args.h_sweep))
             ]
-            if not at_h or not dyn:
+            if not rows:
                 continue
-            top = max(at_h, key=lambda r: r["tok_s"])
-            note = f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"  # noqa: E501
+            top = tops[(method, value_format)] = max(rows, key=lambda r: r["tok_s"])
+            notes = []
+            if dyn:
+                notes.append(f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best")
+                notes[-1] += f" ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"
             if roof_best:
-                note += (
-                    f"; x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at that batch ({roof_best['tok_s']:.1f})"
-                )
-            rec.add(dict(context=length, method="summary", value_format=value_format, batch=top["batch"],
-                         h_target=top.get("h_target"), tok_s=top["tok_s"], note=note))  # fmt: skip
+                notes.append(f"x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at its best batch")
+                notes[-1] += f" ({roof_best['tok_s']:.1f})"
+            if method == "yakv":
+                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {f} best ({t['tok_s']:.1f})"
+                          for (m, f), t in tops.items() if m == "shadowkv"]  # fmt: skip
+            if notes:
+                rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
+                             batch=top["batch"], h_target=top.get("h_target"), tok_s=top["tok_s"],
+                             note=f"{method}: " + "; ".join(notes)))  # fmt: skip
     rec.write(plot=True)
     log("done:", Path(__file__).resolve().parent / "results" / f"{name}.md")
 
