@@ -208,7 +208,9 @@ class Runner:
         self.elem = torch.finfo(model.dtype).bits // 8
 
     def overrides(self, cfg: Config, length: int) -> dict:
-        start = {"min_compress_len": min(1024, length // 2)}
+        # Eager decode steps: the selection probe records every step in Python, which a replayed CUDA graph would
+        # skip (capture also fails on the probe's host reads, and the cache then falls back to eager with a warning).
+        start = {"min_compress_len": min(1024, length // 2), "cuda_graphs": False}
         if cfg.method in MODE_CHANGES:  # no rank or chunks: keys and values are quantised, tokens selected
             return {**start, **MODE_CHANGES[cfg.method]}
         rank = self.key_dim if cfg.rank == "full" else cfg.rank
