@@ -84,7 +84,7 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
     m = hi;
 }
 
-// ---- Walsh-Hadamard transform across a warp (gather_dequant.cu, higgs_quantize.cu) ------------------------------
+// ---- Walsh-Hadamard transform across a warp (gather_dequant.cu) -------------------------------------------------
 
 /// \brief Unnormalised Walsh-Hadamard transform (natural order) of a vector of `lanes * EPL` coordinates held
 /// by the warp: lane `l` holds coordinates `l*EPL .. l*EPL + EPL - 1` in `x`. Lanes at or above `lanes` (when

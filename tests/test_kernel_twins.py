@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from shadowkv_cache import kernel_loader
 from shadowkv_cache.ops.gather_values import gather_values
+from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
 from shadowkv_cache.pinned_pool import PinnedPool
+from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.value_store import HostValueStore
 
 
@@ -97,6 +99,50 @@ class FakePinning:
 
     def unregister(self, t):
         self.unpinned.append(t.data_ptr())
+
+
+def numbered(*shape: int) -> torch.Tensor:
+    """A tensor whose every element holds its own storage offset (exact in float64)."""
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
+
+
+@pytest.mark.parametrize(
+    "make, folds",
+    [
+        (lambda: numbered(3, 4, 5, 8), True),  # contiguous: one level
+        (lambda: numbered(2, 4, 9, 8)[1, :, 2:7], True),  # keys[row, :, span]: heads x tokens
+        (lambda: numbered(2, 9, 4, 8).transpose(1, 2)[0, :, 2:7], True),  # [B, S, Hkv, D] storage, transposed
+        (lambda: numbered(1, 4, 1, 5, 8), True),  # size-1 dims step nowhere
+        (lambda: numbered(2, 3, 8, 8)[:, :, ::2], True),  # every other token of each row: still one level
+        (lambda: numbered(8), True),  # a single vector
+        (lambda: numbered(2, 3, 8, 8)[:, :2, :5], False),  # three strided levels
+        (lambda: numbered(3, 1, 5, 8).expand(3, 4, 5, 8), False),  # a stride-0 middle dim between two others
+        (lambda: numbered(5, 8, 4).transpose(-1, -2), False),  # coordinates not contiguous
+    ],
+)
+def test_vector_strides_address_every_vector_of_a_view(make, folds):
+    """The kernel's two-level addressing, n -> (n // inner) * outer + (n % inner) * inner_stride elements past the
+    view's storage offset, names each vector's first coordinate (the tensors hold their own offsets)."""
+    x = make()
+    strides = vector_strides(x)
+    assert (strides is not None) == folds
+    if not folds:
+        return
+    inner, outer_stride, inner_stride = strides
+    n = torch.arange(x[..., 0].numel(), dtype=torch.float64)
+    starts = x.storage_offset() + torch.div(n, inner, rounding_mode="floor") * outer_stride + n % inner * inner_stride
+    assert torch.equal(x.reshape(-1, x.shape[-1])[:, 0], starts)
+
+
+def test_quantize_vectors_on_the_cpu_is_the_quantiser():
+    quantizer = HiggsQuantizer(32, 4)
+    x = torch.randn(3, 7, 40, 32, dtype=torch.bfloat16)[:, :, 5:30]
+    got, want = quantize_vectors(quantizer, x), quantizer.quantize(x)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.norms, want.norms)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        quantize_vectors(quantizer, torch.randn(4, 16))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_vectors(quantizer, torch.ones(4, 32, dtype=torch.int64))
 
 
 def test_pinned_pool_reuses_freed_blocks_and_grows():
@@ -204,7 +250,7 @@ def test_loader_without_cuda_python_says_how_to_install(monkeypatch):
 
 
 def test_every_kernel_source_is_found():
-    for stem in ("temporal_scan", "rebuild_keys", "gather_values"):
+    for stem in ("temporal_scan", "rebuild_keys", "gather_values", "quantize_higgs"):
         source, headers = kernel_loader._sources(stem)
         assert "\\brief" in source and "common.cuh" in headers
 
@@ -215,6 +261,6 @@ def test_nvrtc_compiles_every_kernel_when_available(tmp_path):
         kernel_loader._nvrtc_compile("probe.cu", 'extern "C" __global__ void k() {}', {}, ["--gpu-architecture=sm_90"])
     except Exception as err:  # cuda-python without an NVRTC library
         pytest.skip(f"NVRTC unusable here: {err}")
-    for stem in ("temporal_scan", "rebuild_keys", "gather_values"):
+    for stem in ("temporal_scan", "rebuild_keys", "gather_values", "quantize_higgs"):
         cubin = kernel_loader.cubin_for(stem, "sm_90", directory=tmp_path)
         assert cubin[:4] == b"\x7fELF"

@@ -7,6 +7,8 @@ tokens per head, D head dim, p grid dim.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import generate_with, make_tiny_model, random_prompt
@@ -14,8 +16,9 @@ from helpers import generate_with, make_tiny_model, random_prompt
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.kernel_loader import kernels_available
 from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
+from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
 from shadowkv_cache.ops.score_codes import code_scores, code_scores_reference
-from shadowkv_cache.quant import HiggsQuantizer
+from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
 from shadowkv_cache.quantized_store import QuantizedKVStore, pack_records
 
 pytestmark = [
@@ -102,6 +105,94 @@ def test_gather_dequant_kernel_handles_an_empty_selection():
     store = pinned_store(2, 2, 10, quantizer)
     keys, values = gather_dequant(store, torch.zeros(2, 2, 0, dtype=torch.int64, device=CUDA), quantizer, torch.float16)
     assert keys.shape == values.shape == (2, 2, 0, 64)
+
+
+def assert_quantized_close(quantizer: HiggsQuantizer, x: torch.Tensor, got: QuantizedVectors, want: QuantizedVectors):
+    """Norms within one fp16 step (float32 round-off before the rounding); codes equal on >= 99.9% of sub-vectors,
+    and where they differ the two grid points equidistant, to round-off, from the twin's scaled sub-vector (the
+    kernel's transform and distances round in another order than the twin's matmuls)."""
+    assert got.codes.shape == want.codes.shape and got.norms.shape == want.norms.shape
+    assert got.codes.dtype == torch.uint8 and got.norms.dtype == torch.float16
+    torch.testing.assert_close(got.norms.float(), want.norms.float(), rtol=1e-3, atol=0)
+    same = got.codes == want.codes
+    assert same.float().mean().item() >= 0.999
+    if same.all():
+        return
+    rotated = quantizer.rotate(x.float())
+    norms = rotated.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    sub = (rotated * (math.sqrt(quantizer.head_dim) / norms)).unflatten(-1, (quantizer.num_subvectors, -1))
+    sub, grid = sub[~same].double(), quantizer.grid.to(x.device, torch.float64)  # [F, p], [256, p]
+    dist_got = (sub - grid[got.codes[~same].long()]).square().sum(-1)
+    dist_want = (sub - grid[want.codes[~same].long()]).square().sum(-1)
+    assert bool(((dist_got - dist_want).abs() <= 1e-4 * (1 + dist_want)).all())
+
+
+def spread_vectors(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gaussian vectors `[..., D]` in `dtype`, norms over a few orders of magnitude, every 97th one zero."""
+    x = torch.randn(*shape, device=CUDA) * torch.exp(torch.randn(*shape[:-1], 1, device=CUDA))
+    x.view(-1, shape[-1])[::97] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim, grid_dim", [(64, 2), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)])
+def test_quantize_kernel_matches_twin(dtype, dim, grid_dim):
+    """As at prefill: the keys of one row and a span of tokens, a strided view read in place."""
+    torch.manual_seed(0)
+    quantizer = HiggsQuantizer(dim, grid_dim)
+    keys = spread_vectors(2, 8, 1100, dim, dtype=dtype)[1, :, 37:1060]  # [Hkv, n, D], strides (S*D, D, 1)
+    got = quantize_vectors(quantizer, keys)
+    want = quantize_vectors_reference(quantizer, keys)
+    assert_quantized_close(quantizer, keys, got, want)
+    zero = keys.eq(0).all(-1)
+    assert zero.any() and got.norms[zero].eq(0).all()
+
+
+@pytest.mark.parametrize("dim, grid_dim", [(16, 2), (16, 8), (32, 8), (256, 2), (256, 4), (8, 8)])
+def test_quantize_kernel_matches_twin_at_other_head_dims(dim, grid_dim):
+    """Fewer coordinates than lanes (several lanes per sub-vector, down to a single sub-vector) and the largest."""
+    torch.manual_seed(1)
+    quantizer = HiggsQuantizer(dim, grid_dim)
+    x = spread_vectors(3, 5, 301, dim, dtype=torch.bfloat16)
+    assert_quantized_close(quantizer, x, quantize_vectors(quantizer, x), quantize_vectors_reference(quantizer, x))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.transpose(1, 2)[0, :, 3:250],  # keys kept [B, S, Hkv, D]: heads x tokens, token stride Hkv*D
+        lambda x: x[:, 10:200:3, :3],  # three strided levels: copied first
+        lambda x: x[0, 7, 1:2],  # one vector
+        lambda x: x[1, :, 2, None, :],  # [S, 1, D] with the policy's chunk dim, token stride Hkv*D
+    ],
+)
+def test_quantize_kernel_gives_the_same_bits_for_any_layout(make):
+    """The kernel's arithmetic does not depend on where the vectors sit: a view quantises as its contiguous copy."""
+    torch.manual_seed(2)
+    quantizer = HiggsQuantizer(128, 2)
+    view = make(spread_vectors(2, 256, 4, 128, dtype=torch.bfloat16))  # [B, S, Hkv, D]
+    got, copy = quantize_vectors(quantizer, view), quantize_vectors(quantizer, view.contiguous())
+    assert torch.equal(got.codes, copy.codes) and torch.equal(got.norms, copy.norms)
+    assert_quantized_close(quantizer, view, got, quantize_vectors_reference(quantizer, view))
+
+
+def test_quantize_kernel_matches_twin_on_many_vectors_without_synchronising():
+    """2^20 vectors (each warp loops over ~124 of them), float64 input (through float32, as the twin), an empty
+    input; none of it waits for the host."""
+    torch.manual_seed(3)
+    quantizer = HiggsQuantizer(128, 4)
+    x = spread_vectors(1 << 20, 128, dtype=torch.bfloat16)
+    quantize_vectors(quantizer, x[:1])  # loads the kernel and the device tables
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = quantize_vectors(quantizer, x)
+        empty = quantize_vectors(quantizer, torch.empty(0, 3, 128, dtype=torch.bfloat16, device=CUDA))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_quantized_close(quantizer, x, got, quantize_vectors_reference(quantizer, x))
+    assert empty.codes.shape == (0, 3, 32) and empty.norms.shape == (0, 3)
+    small = x[:999].double()
+    assert_quantized_close(quantizer, small, quantize_vectors(quantizer, small), quantizer.quantize(small))
 
 
 def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) -> tuple[torch.Tensor, torch.Tensor]:

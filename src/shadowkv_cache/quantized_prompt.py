@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .config import ShadowKVConfig
+from .ops.quantize_higgs import quantize_vectors
 from .policies.base import SelectionPolicy
 from .quant import HiggsQuantizer
 from .quantized_store import QuantizedKVStore, pack_records
@@ -138,7 +139,10 @@ def quantize_prompt(
             continue
         span = slice(start, start + n_tok)
         row_keys = keys[row, :, span]
-        records[row, :, :n_tok] = pack_records(quantizer.quantize(row_keys), quantizer.quantize(values[row, :, span]))
+        # In place on CUDA: the fused kernel reads these strided views and writes only codes and norms.
+        records[row, :, :n_tok] = pack_records(
+            quantize_vectors(quantizer, row_keys), quantize_vectors(quantizer, values[row, :, span])
+        )
         token_keys[row, :, :n_tok] = row_keys
         quantised[row, :n_tok] = True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.quantize_higgs import quantize_vectors
 from ..ops.score_codes import attention_scores, code_scores
 from ..quant import HiggsQuantizer
 from .base import SelectionPolicy
@@ -40,7 +41,7 @@ class QuantizedKeyTopK(SelectionPolicy):
     def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Codes `[B, Hkv, N, D/p]` and norms `[B, Hkv, N]` of the post-RoPE keys `[B, Hkv, N, 1, D]`."""
         keys = chunk_keys.flatten(2, 3)
-        packed = self.quantizer(keys.shape[-1]).quantize(keys)
+        packed = quantize_vectors(self.quantizer(keys.shape[-1]), keys)
         return {"codes": packed.codes, "norms": packed.norms}
 
     def score(

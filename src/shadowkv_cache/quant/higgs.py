@@ -227,7 +227,10 @@ class HiggsQuantizer:
         return y.to(dtype) @ self._on("rotation", self._rotation, y.device).to(dtype).T
 
     def quantize(self, x: torch.Tensor) -> QuantizedVectors:
-        """Codes `[..., M]` uint8 and norms `[...]` fp16 of `x` `[..., D]` (any float dtype, any device)."""
+        """Codes `[..., M]` uint8 and norms `[...]` fp16 of `x` `[..., D]` (any float dtype, any device).
+
+        The definition; `ops.quantize_higgs.quantize_vectors` computes it in one CUDA kernel where it can.
+        """
         self._check_last_dim(x, "x")
         rotated = self.rotate(x.float())
         norms = rotated.norm(dim=-1)
