@@ -134,3 +134,30 @@ def test_smollm2_bf16_default_fidelity_on_cuda(smollm2_cuda):
         assert fid.agreement >= 0.8
     finally:
         model.to(torch.float32)
+
+
+def test_failed_capture_falls_back_to_eager_and_leaves_cuda_usable(cuda_model, monkeypatch):
+    """A step that fails while it is captured (say, out of memory in the key rebuild, after the value fetch has
+    forked onto the side stream) must end the capture cleanly: decoding goes on eagerly with the same tokens, and
+    the process can still draw CUDA random numbers (a capture that cannot end leaves the generator in capture
+    mode)."""
+    import shadowkv_cache.temporal_cache as temporal_cache
+
+    ids = random_prompt(301, seed=7).cuda()
+    eager = generate_with(cuda_model, ids, ShadowKVCache(cuda_model, cuda_graphs=False, **small_budget_overrides()))
+    rebuild = temporal_cache.rebuild_missed_keys
+
+    def failing_while_capturing(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("injected: out of memory during capture")
+        return rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(temporal_cache, "rebuild_missed_keys", failing_while_capturing)
+    cache = ShadowKVCache(cuda_model, **small_budget_overrides())
+    with pytest.warns(UserWarning, match="could not capture"):
+        got = generate_with(cuda_model, ids, cache)
+    assert not cache.config.cuda_graphs
+    assert all(layer._graph is None for layer in cache.layers)
+    assert torch.equal(got.sequences, eager.sequences)
+    assert_logits_close(got.logits, eager.logits, atol=1e-5)
+    assert torch.randn(4, device="cuda").isfinite().all()

@@ -74,11 +74,16 @@ class TemporalCache:
             side.wait_event(scanned)
             # Tensors used on the side stream were made on the main stream, which waits for `fetched` below
             # before any later work, so the caching allocator cannot hand them out while the fetch runs.
-            with torch.cuda.stream(side):
-                gather_values(self.values, self.ids, miss, prompt.values)
+            try:
+                with torch.cuda.stream(side):
+                    gather_values(self.values, self.ids, miss, prompt.values)
+                rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
+            finally:
+                # Joined even when the step fails (out of memory while a CUDA graph is captured): a capture left
+                # with unjoined work cannot end, and PyTorch's CUDA generator would stay in capture mode for the
+                # rest of the process ("Offset increment outside graph capture").
                 fetched.record(side)
-            rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
-            main.wait_event(fetched)
+                main.wait_event(fetched)
         else:
             gather_values(self.values, self.ids, miss, prompt.values)
             rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
