@@ -1,20 +1,24 @@
-"""Where a ShadowKV decode step spends its time: torch.profiler over a few steps of a synthetic cache.
+"""Where a decode step spends its time: torch.profiler over a few steps of a synthetic cache.
 
-Every row reads one shared pinned row of values (each row still fetches its own misses over PCIe), so large
-batches need no large pinned allocation; `throughput.py` is the benchmark of record.
+ShadowKV mode: every row reads one shared pinned row of values (each row still fetches its own misses over
+PCIe), so large batches need no large pinned allocation. YAKV mode (`--mode yakv`): each row has its own pinned
+records, as in `throughput.py` (4.4 GiB per row at 128K). `throughput.py` is the benchmark of record.
 
 python benchmarks/profile_decode.py --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
+python benchmarks/profile_decode.py --context 131072 --batch 12 --mode yakv
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
-from throughput import ControlledHitRate, build_model, decode, fill_shadowkv, log
+from throughput import ControlledHitRate, build_model, decode, fill_shadowkv, fill_yakv, log, yakv_host_bytes_per_row
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.pinned_pool import pinned_pool
 
 
 def main() -> None:
@@ -27,19 +31,32 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--value-format", default="native")
+    p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
     config = ShadowKVConfig(
         min_compress_len=1024 if args.small else 4096, cuda_graphs=not args.no_graphs, value_format=args.value_format
     )
+    if args.mode == "yakv":
+        config = dataclasses.replace(config, mode="yakv")
     for batch in [int(b) for b in str(args.batch).split(",")]:
-        cache = ShadowKVCache(model, config=config, policy=ControlledHitRate(args.h))
-        fill_shadowkv(model, cache, batch, args.context, device, None, share_host_row=True)
+        if args.mode == "yakv":
+            cache = ShadowKVCache(model, config=config)
+            blocks = None
+            if device.type == "cuda":
+                row = yakv_host_bytes_per_row(model.config, config, args.context)
+                blocks = [pinned_pool().allocate((row * batch,), torch.uint8) for _ in cache.layers]
+            fill_yakv(model, cache, batch, args.context, device, blocks)
+        else:
+            cache = ShadowKVCache(model, config=config, policy=ControlledHitRate(args.h))
+            fill_shadowkv(model, cache, batch, args.context, device, None, share_host_row=True)
         step = decode(model, cache, batch, 4, args.steps, device)
+        hit = cache.memory_report().hit_rate
         log(
             f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
-            f"h {cache.memory_report().hit_rate:.2f}, graphs {not args.no_graphs}, values {args.value_format}"
+            f"mode {args.mode}, h {hit if hit is None else round(hit, 2)}, graphs {not args.no_graphs}, "
+            f"values {args.value_format if args.mode == 'shadowkv' else 'higgs4 k+v'}"
         )
     if args.no_profile:
         return

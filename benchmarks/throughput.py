@@ -409,6 +409,69 @@ def shadowkv_bound(cfg, config, length, batch, h, weights, hbm_bw):
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
 
 
+def add_summary(rec: Recorder, contexts: list[int], value_formats: list[str], h_sweep: float) -> None:
+    """Summary rows: each method's best tokens/s per context as ratios to this run's baselines (the best
+    DynamicCache batch, the full-attention roofline, and for YAKV the best ShadowKV batch per value format)."""
+    rec.rows = [r for r in rec.rows if r["method"] != "summary"]
+    for length in contexts:
+        dynamic = [
+            r
+            for r in rec.rows
+            if r["context"] == length
+            and r["method"] == "dynamic"
+            and r.get("fill") == "synthetic"
+            and isinstance(r.get("tok_s"), float)
+        ]
+        dyn = max(dynamic, key=lambda r: r["tok_s"], default=None)
+        roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
+        roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
+        tops = {}
+        for method, value_format in [("shadowkv", f) for f in value_formats] + [("yakv", None)]:
+            rows = [
+                r
+                for r in rec.rows
+                if r["context"] == length
+                and r["method"] == method
+                and r.get("fill") == "synthetic"
+                and (method == "yakv" or (r.get("value_format") == value_format and r.get("h_target") == h_sweep))
+            ]
+            if not rows:
+                continue
+            top = tops[(method, value_format)] = max(rows, key=lambda r: r["tok_s"])
+            notes = []
+            if dyn:
+                notes.append(f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best")
+                notes[-1] += f" ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"
+            if roof_best:
+                notes.append(f"x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at its best batch")
+                notes[-1] += f" ({roof_best['tok_s']:.1f})"
+            if method == "yakv":
+                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {f} best ({t['tok_s']:.1f})"
+                          for (m, f), t in tops.items() if m == "shadowkv"]  # fmt: skip
+            if notes:
+                rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
+                             batch=top["batch"], h_target=top.get("h_target"), tok_s=top["tok_s"],
+                             note=f"{method}: " + "; ".join(notes)))  # fmt: skip
+
+
+def replot(name: str, h_sweep: float, note: str | None) -> None:
+    """Summary rows and plot of a stored run from its rows alone (a run cut short never wrote them)."""
+    import json
+
+    stored = json.loads((RESULTS / f"{name}.json").read_text())
+    env = stored["env"]
+    if note:
+        env["note"] = note
+    rec = Recorder(name, env)
+    rec.rows = stored["rows"]
+    contexts = sorted({r["context"] for r in rec.rows})
+    formats = list(
+        dict.fromkeys(r["value_format"] for r in rec.rows if r["method"] == "shadowkv" and "value_format" in r)
+    )
+    add_summary(rec, contexts, formats, h_sweep)
+    rec.write(plot=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -425,7 +488,12 @@ def main() -> None:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
+    p.add_argument("--replot", metavar="NAME", help="recompute the summary and plot of results/NAME.json, no run")
+    p.add_argument("--note", help="with --replot: a note stored in the record's environment")
     args = p.parse_args()
+    if args.replot:
+        replot(args.replot, args.h_sweep, args.note)
+        return
     args.extra_h = [None if x == "own" else float(x) for x in args.extra_h.split(",") if x]
 
     device = torch.device(args.device)
@@ -648,37 +716,7 @@ def main() -> None:
             del cache
             free(device)
 
-    # Summary against the targets, per method and value format, as ratios to the baselines of this run.
-    for length in contexts:
-        dyn = best.get(length)
-        roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
-        roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
-        tops = {}
-        for method, value_format in [("shadowkv", f) for f in args.value_formats.split(",")] + [("yakv", None)]:
-            rows = [
-                r
-                for r in rec.rows
-                if r["context"] == length
-                and r["method"] == method
-                and (method == "yakv" or (r.get("value_format") == value_format and r.get("h_target") == args.h_sweep))
-            ]
-            if not rows:
-                continue
-            top = tops[(method, value_format)] = max(rows, key=lambda r: r["tok_s"])
-            notes = []
-            if dyn:
-                notes.append(f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best")
-                notes[-1] += f" ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"
-            if roof_best:
-                notes.append(f"x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at its best batch")
-                notes[-1] += f" ({roof_best['tok_s']:.1f})"
-            if method == "yakv":
-                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {f} best ({t['tok_s']:.1f})"
-                          for (m, f), t in tops.items() if m == "shadowkv"]  # fmt: skip
-            if notes:
-                rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
-                             batch=top["batch"], h_target=top.get("h_target"), tok_s=top["tok_s"],
-                             note=f"{method}: " + "; ".join(notes)))  # fmt: skip
+    add_summary(rec, contexts, args.value_formats.split(","), args.h_sweep)
     rec.write(plot=True)
     log("done:", Path(__file__).resolve().parent / "results" / f"{name}.md")
 
