@@ -45,7 +45,7 @@ from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: 
 from shadowkv_cache.compressed_prompt import CompressedPrompt  # noqa: E402
 from shadowkv_cache.pinned_pool import pinned_pool  # noqa: E402
 from shadowkv_cache.quantized_prompt import QuantizedPrompt  # noqa: E402
-from shadowkv_cache.quantized_store import QuantizedKVStore  # noqa: E402
+from shadowkv_cache.quantized_store import QuantizedKVStore, record_bytes  # noqa: E402
 from shadowkv_cache.value_codecs import value_codec  # noqa: E402
 from shadowkv_cache.value_store import HostValueStore  # noqa: E402
 
@@ -238,15 +238,10 @@ def fill_shadowkv(
     return cache
 
 
-def yakv_record_bytes(config, head_dim) -> int:
-    """E: bytes of one (row, head, token) host record in YAKV mode (two fp16 norms + key and value codes)."""
-    return 2 * (head_dim // config.host_grid_dim) + 4
-
-
 def yakv_host_bytes_per_row(cfg, config, length) -> int:
     """Host bytes of one row's quantised keys and values in one layer (YAKV mode)."""
     size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
-    return size.num_chunks * cfg.num_key_value_heads * yakv_record_bytes(config, cfg.head_dim)
+    return size.num_chunks * cfg.num_key_value_heads * record_bytes(cfg.head_dim // config.host_grid_dim)
 
 
 def fill_yakv(model, cache: ShadowKVCache, batch, length, device, host_blocks: list[torch.Tensor] | None):
@@ -258,7 +253,7 @@ def fill_yakv(model, cache: ShadowKVCache, batch, length, device, host_blocks: l
     hkv, d, dtype = cfg.num_key_value_heads, cfg.head_dim, model.dtype
     size = config.resolve(length, hkv * d)
     n, k, w = size.num_chunks, size.budget_chunks, size.local
-    e, m = yakv_record_bytes(config, d), d // config.score_grid_dim
+    e, m = record_bytes(d // config.host_grid_dim), d // config.score_grid_dim
     norm = torch.tensor([d**0.5], dtype=torch.float16).view(torch.uint8)  # its two bytes
     one_row = torch.randint(0, 256, (hkv, n, e), dtype=torch.uint8)
     one_row[..., 0:2], one_row[..., 2:4] = norm, norm  # key and value norms: a finite fp16, not random bits
@@ -270,7 +265,7 @@ def fill_yakv(model, cache: ShadowKVCache, batch, length, device, host_blocks: l
             data = torch.empty(shape, dtype=torch.uint8)
         data.copy_(one_row.expand(shape))
         store = QuantizedKVStore(data, torch.arange(batch))
-        store._device_row_map = torch.arange(batch, device=device)
+        store.device_row_map(device)  # copied now, not in a timed step
         prompt = QuantizedPrompt(
             policy_state={
                 "codes": torch.randint(0, 256, (batch, hkv, n, m), dtype=torch.uint8, device=device),
@@ -299,7 +294,7 @@ def yakv_bound(cfg, config, length, batch, weights, hbm_bw):
     scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
     attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
     hbm = weights + batch * cfg.num_hidden_layers * (scoring + 3 * attended)  # dequant write, cat write/read
-    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * yakv_record_bytes(config, d)
+    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * record_bytes(d // config.host_grid_dim)
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
 
 

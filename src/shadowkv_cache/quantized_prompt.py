@@ -19,7 +19,7 @@ from .config import ShadowKVConfig
 from .ops.quantize_higgs import quantize_vectors
 from .policies.base import SelectionPolicy
 from .quant import HiggsQuantizer
-from .quantized_store import QuantizedKVStore, pack_records
+from .quantized_store import QuantizedKVStore, pack_records, record_bytes
 
 __all__ = ["QuantizedPrompt", "quantize_prompt"]
 
@@ -120,9 +120,7 @@ def quantize_prompt(
         return None
     window = max(s.local for s in sizes)
     device = keys.device
-    record_bytes = 2 * quantizer.num_subvectors + 4
-
-    records = torch.zeros((batch, heads, num, record_bytes), dtype=torch.uint8, device=device)
+    records = torch.zeros((batch, heads, num, record_bytes(quantizer.num_subvectors)), dtype=torch.uint8, device=device)
     token_keys = keys.new_zeros((batch, heads, num, dim))
     quantised = torch.zeros((batch, num), dtype=torch.bool, device=device)
     local_keys = keys.new_zeros((batch, heads, window, dim))

@@ -16,9 +16,14 @@ import torch
 from .pinned_pool import pinned_pool
 from .quant import QuantizedVectors
 
-__all__ = ["QuantizedKVStore", "pack_records", "unpack_records"]
+__all__ = ["QuantizedKVStore", "pack_records", "record_bytes", "unpack_records"]
 
 _NORM_BYTES = 2
+
+
+def record_bytes(num_subvectors: int) -> int:
+    """E: bytes of one record for `num_subvectors` (M) codes per head vector: two fp16 norms + key and value codes."""
+    return 2 * _NORM_BYTES + 2 * num_subvectors
 
 
 def pack_records(keys: QuantizedVectors, values: QuantizedVectors) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer
-from ..quantized_store import QuantizedKVStore, unpack_records
+from ..quantized_store import QuantizedKVStore, record_bytes, unpack_records
 
 __all__ = ["dequant_records", "gather_dequant", "gather_dequant_reference", "gather_records"]
 
@@ -112,7 +112,7 @@ def _kernel_fits(store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQua
         and ids.dtype == torch.int64
         and data.is_pinned()
         and data.stride()[2:] == (data.shape[-1], 1)
-        and data.shape[-1] == 2 * quantizer.num_subvectors + 4
+        and data.shape[-1] == record_bytes(quantizer.num_subvectors)
         and quantizer.head_dim <= _MAX_DIM
         and len(store.row_map) >= ids.shape[0]
     )
