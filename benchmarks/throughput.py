@@ -186,7 +186,7 @@ def synthetic_store(codec, rows, stored, shape, device, dtype, block: torch.Tens
             scales[r].copy_(row_scales[0])
     row_map = torch.zeros(rows, dtype=torch.int64) if stored < rows else torch.arange(rows)
     store = HostValueStore(payload, row_map, scales, codec)
-    store._device_row_map = row_map.to(device)
+    store.device_row_map(device)  # copied now, not in a timed step
     codec.prepare(device)
     return store
 
