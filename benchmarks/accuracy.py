@@ -46,8 +46,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
-from shadowkv_cache.adapters import sliding_windows
 from shadowkv_cache.fidelity import natural_text_ids
+from shadowkv_cache.hf.adapters import sliding_windows
 
 
 def load_model(name: str, dtype: torch.dtype, device: str):
@@ -248,7 +248,7 @@ class Runner:
         if cache.config.mode == "yakv":
             recall, oracle, units = probe.totals()
             dense_steps = multi_token_steps if cache.config.dense_multi_token_steps else 0
-            fetched = sum(layer.fetched_bytes for layer in cache.layers if layer.is_compressed)
+            fetched = sum(layer.mode.fetched_bytes for layer in cache.layers if layer.is_compressed)
             nominal = sum(
                 layer.prompt.max_budget_tokens * self.num_kv_heads * layer.prompt.store.record_bytes
                 for layer in cache.layers
@@ -261,13 +261,14 @@ class Runner:
                 "recall_mass": recall,
                 "oracle_mass": oracle,
                 "units": units,
-                "value_bytes": sum(layer.fetched_bytes for layer in cache.layers if layer.is_compressed),
+                "value_bytes": sum(layer.mode.fetched_bytes for layer in cache.layers if layer.is_compressed),
                 "steps_rows": (probe.steps + dense_steps) * rows,
                 "hits": 0,
                 "lookups": 0,
             }
-        misses = sum(int(layer.temporal.lookups - layer.temporal.hits) for layer in cache.layers if layer.temporal)
-        hits = sum(int(layer.temporal.hits) for layer in cache.layers if layer.temporal)
+        counts = [c for c in (layer.hit_counts() for layer in cache.layers if hasattr(layer, "hit_counts")) if c]
+        misses = sum(n - h for h, n in counts)
+        hits = sum(h for h, _ in counts)
         chunk_bytes = cfg.chunk * self.head_dim * self.elem
         dense_steps = multi_token_steps if cache.config.dense_multi_token_steps else 0
         prompt_chunks = sum(layer.prompt.values.data[0].shape[:2].numel() for layer in cache.layers if layer.prompt)

@@ -1,7 +1,7 @@
 """Fidelity of ShadowKV against full attention on the embedded SmolLM2-135M-Instruct (natural long text).
 
 Teacher-forced next-token agreement, mean KL(full || ShadowKV) and the matching greedy length, at the
-default configuration (SPEC §9 scaling) and a few budgets. Rerun:
+default configuration (scaled to the model and prompt) and a few budgets. Rerun:
 
     .venv/bin/python benchmarks/fidelity.py            # CPU, ~15 min on 2 cores
     .venv/bin/python benchmarks/fidelity.py --device cuda --dtype bfloat16

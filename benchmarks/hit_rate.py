@@ -1,6 +1,6 @@
 """Temporal-cache hit rate `h` of ShadowKV on a real model, at the package defaults, against prompt length.
 
-`h` is the share of selected chunks that were already on the device from the previous step (SPEC §3, decode
+`h` is the share of selected chunks that were already on the device from the previous step (design.md §3, decode
 step 3): a miss costs a key rebuild and a host-to-device copy of the chunk's values, so `h` sets the bytes a
 decode step moves and is what GPU throughput targets hang on (`benchmarks/throughput.py` sets it by hand).
 Each length prefills natural text (the Python reference documentation shipped with CPython) once and decodes
@@ -28,8 +28,9 @@ from shadowkv_cache.fidelity import natural_text_ids
 
 def counters(cache: ShadowKVCache) -> tuple[int, int]:
     """(hits, lookups) summed over the compressed layers."""
-    layers = [layer for layer in cache.layers if layer.temporal is not None]
-    return sum(int(layer.temporal.hits) for layer in layers), sum(int(layer.temporal.lookups) for layer in layers)
+    counts = [layer.hit_counts() for layer in cache.layers if hasattr(layer, "hit_counts")]
+    counts = [c for c in counts if c is not None]
+    return sum(h for h, _ in counts), sum(n for _, n in counts)
 
 
 @torch.no_grad()
@@ -89,7 +90,7 @@ def main() -> None:
         rows.append({"series": args.model, **row})
         print({k: row[k] for k in ("prompt_tokens", "hit_rate", "steady_hit_rate", "budget", "rank")}, flush=True)
         notes = (
-            f"ShadowKV at the package defaults (scaled to the prompt, SPEC §9), {args.model}, greedy decoding of "
+            f"ShadowKV at the package defaults (scaled to the prompt), {args.model}, greedy decoding of "
             f"{args.steps} tokens after a natural-text prompt. `hit_rate`: `cache.memory_report().hit_rate` "
             "(selected chunks already on the device / chunks selected, all steps, the cold first step included); "
             "`steady_hit_rate`: the same from the second step on. `device_ratio`: device bytes / DynamicCache bytes."

@@ -20,6 +20,7 @@ import math
 import torch
 
 from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.policies import (
     LandmarkTopK,
     OracleTopK,
@@ -31,9 +32,7 @@ from shadowkv_cache.policies import (
     SnapKV,
     StreamingLLM,
 )
-from shadowkv_cache.quantized_prompt import QuantizedPrompt
-from shadowkv_cache.temporal_cache import TemporalCache
-from shadowkv_cache.token_buffer import TokenBuffer
+from shadowkv_cache.yakv.prompt import QuantizedPrompt
 
 __all__ = ["EVICTING", "EXTENSIONS", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
 
@@ -98,30 +97,28 @@ def fork_cache(
     cache = ShadowKVCache(model, config=config, policy=policy)
     prefix = f"{name}/"
     for new, old in zip(cache.layers, base.layers):
-        for attr, value in vars(old).items():
-            if attr not in ("config", "policy", "rope"):
-                setattr(new, attr, value)  # the prompt's tensors are only read when decoding goes on
-        prompt = old.prompt
+        prompt = getattr(old, "prompt", None)
         if prompt is None:
+            if isinstance(old, CompressedLayer):
+                new.set_prefix(None, old.keys, old.values)
+            else:  # a sliding-window layer: its tensors are only read when decoding goes on
+                vars(new).update(vars(old))
             continue
-        if old.new is not None:  # written in place: each fork has its own (YAKV layers concatenate instead)
-            new.new = TokenBuffer(*old.new.held())
-            new.keys, new.values = new.new.held()
         state = {k[len(prefix) :]: v for k, v in prompt.policy_state.items() if k.startswith(prefix)}
         state["exact_keys"] = prompt.policy_state["exact_keys"]
         if isinstance(prompt, QuantizedPrompt):  # YAKV: a budget of tokens, clamped to each row's, no temporal cache
             quantised = prompt.real.sum(dim=-1)
             budget = quantised.clamp(max=sparse_budget).to(torch.int64)  # [B]
             host = budget.cpu()
-            new.prompt = dataclasses.replace(
+            prompt = dataclasses.replace(
                 prompt, policy_state=state, budget_tokens=budget, budget_host=host, max_budget_tokens=int(host.max())
             )
-            new.fetched_bytes = new.sparse_steps = 0
-            continue
-        # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.
-        wanted = math.ceil(sparse_budget / prompt.chunk_size)
-        budget = prompt.selectable[:, 0].sum(dim=-1).clamp(max=wanted).to(torch.int64)  # [B]
-        k = int(budget.max())
-        new.prompt = dataclasses.replace(prompt, policy_state=state, budget_chunks=budget, max_budget_chunks=k)
-        new.temporal = TemporalCache.empty(new.prompt, k)
+        else:
+            # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.
+            wanted = math.ceil(sparse_budget / prompt.chunk_size)
+            budget = prompt.selectable[:, 0].sum(dim=-1).clamp(max=wanted).to(torch.int64)  # [B]
+            prompt = dataclasses.replace(
+                prompt, policy_state=state, budget_chunks=budget, max_budget_chunks=int(budget.max())
+            )
+        new.set_prefix(prompt, *old.new.held())  # the tokens after the prompt are copied: each fork has its own
     return cache

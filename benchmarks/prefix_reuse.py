@@ -247,7 +247,7 @@ def main() -> None:
     device = torch.device(args.device)
     contexts = args.contexts or ([2048, 4096] if args.small else [32768, 131072])
     batch = args.batch or (8 if args.small else 64)
-    # The paper's defaults (scaled, SPEC §9); small: compress the short contexts too.
+    # The paper's defaults (scaled to the prompt); small: compress the short contexts too.
     settings = {"min_compress_len": 1024} if args.small else {}
     name = f"prefix_reuse_{device.type}" + ("_small" if args.small else "")
 

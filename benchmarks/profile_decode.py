@@ -18,7 +18,7 @@ import torch
 from throughput import ControlledHitRate, build_model, decode, fill_shadowkv, fill_yakv, log, yakv_host_bytes_per_row
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
-from shadowkv_cache.pinned_pool import pinned_pool
+from shadowkv_cache.stores.pinned_pool import pinned_pool
 
 
 def main() -> None:

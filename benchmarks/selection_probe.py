@@ -11,7 +11,7 @@ method keeps anyway) and records
 - oracle recall: the same for the best `K` chunks of that KV head (top-K by mass summed over the group's heads).
 
 Both are averaged over layers, query heads, query tokens and steps (per layer in `per_layer()`). They do not
-depend on whether the model can do the task, which matters for a 135M model (SPEC §6).
+depend on whether the model can do the task, which matters for a 135M model .
 
 With `count_kept=True` the denominator is every real unit the policy was given, the ones that may not be selected
 (ShadowKV's outlier chunks, kept exact on the device) included, and those count as covered by the selection and by

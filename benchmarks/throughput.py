@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import RESULTS, environment, write_results  # noqa: E402
 
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: E402
-from shadowkv_cache.compressed_prompt import CompressedPrompt  # noqa: E402
-from shadowkv_cache.pinned_pool import pinned_pool  # noqa: E402
-from shadowkv_cache.quantized_prompt import QuantizedPrompt  # noqa: E402
-from shadowkv_cache.quantized_store import QuantizedKVStore, record_bytes  # noqa: E402
-from shadowkv_cache.value_codecs import value_codec  # noqa: E402
-from shadowkv_cache.value_store import HostValueStore  # noqa: E402
+from shadowkv_cache.shadowkv.prompt import CompressedPrompt  # noqa: E402
+from shadowkv_cache.stores.pinned_pool import pinned_pool  # noqa: E402
+from shadowkv_cache.stores.quantized_store import QuantizedKVStore, record_bytes  # noqa: E402
+from shadowkv_cache.stores.value_codecs import value_codec  # noqa: E402
+from shadowkv_cache.stores.value_store import HostValueStore  # noqa: E402
+from shadowkv_cache.yakv.prompt import QuantizedPrompt  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -306,9 +306,10 @@ def decode(model, cache, batch, warm, steps, device):
             if i == warm:
                 if isinstance(cache, ShadowKVCache):
                     for layer in cache.layers:
-                        if getattr(layer, "temporal", None) is not None:  # YAKV keeps no temporal cache
-                            layer.temporal.hits.zero_()
-                            layer.temporal.lookups.zero_()
+                        temporal = getattr(getattr(layer, "mode", None), "temporal", None)
+                        if temporal is not None:  # YAKV keeps no temporal cache
+                            temporal.hits.zero_()
+                            temporal.lookups.zero_()
                 sync(device)
                 t = time.perf_counter()
             logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -523,7 +524,7 @@ def main() -> None:
         for length in contexts:
             ids = torch.randint(0, cfg.vocab_size, (1, length), device=device)
             times = {}
-            if device.type == "cuda":  # a server pins its value pool once; prefills then reuse it (SPEC §6)
+            if device.type == "cuda":  # a server pins its value pool once; prefills then reuse it (stores/pinned_pool.py)
                 size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
                 shape = (1, cfg.num_key_value_heads, size.num_chunks, config.chunk_size, cfg.head_dim)
                 warm_pool = [pinned_pool().allocate(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]

@@ -1,4 +1,4 @@
-// Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (SPEC §4): each warp reads one
+// Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (design.md §4): each warp reads one
 // (row, head, token) record straight from the pinned host store through its device-visible address and writes
 // the token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
 // Twin: shadowkv_cache/ops/gather_dequant.py (`gather_dequant_reference`, i.e. `HiggsQuantizer.dequantize`).

@@ -1,4 +1,4 @@
-// HIGGS quantisation of head vectors at prefill (YAKV, SPEC §4): for each vector, the sign flip and Walsh-Hadamard
+// HIGGS quantisation of head vectors at prefill (YAKV, design.md §4): for each vector, the sign flip and Walsh-Hadamard
 // rotation, the norm, the scale to unit coordinate variance and, per sub-vector, the nearest of the 256 grid
 // points. Twin: shadowkv_cache/ops/quantize_higgs.py (`quantize_vectors_reference`, i.e. `HiggsQuantizer.quantize`).
 //

@@ -1,4 +1,4 @@
-// Token logits of one YAKV decode step from the ~2-bit device codes of every key (SPEC §4): for each KV head and
+// Token logits of one YAKV decode step from the ~2-bit device codes of every key (design.md §4): for each KV head and
 // each query head of its group, scaling * q . k_hat over all tokens, with per-tile softmax states. The second
 // pass (softmax over tokens, max over the group) is softmax_group_max.cu's `softmax_group_max`, launched on
 // these logits. Twin: shadowkv_cache/ops/score_codes.py (`code_scores_reference`, i.e. `QuantizedKeyTopK.score`).

@@ -106,7 +106,7 @@ def dynamic_cache(model: torch.nn.Module) -> DynamicCache:
 
 
 def full_budget_overrides(**changes) -> dict:
-    """Settings under which ShadowKV is exact (SPEC §9): every chunk selectable fits the budget, full rank.
+    """Settings under which ShadowKV is exact (design.md §6): every chunk selectable fits the budget, full rank.
 
     Few outliers, a short local window and `min_compress_len` far below the test prompts (a few hundred
     tokens), so compression, selection and key rebuild all really run.
@@ -175,6 +175,6 @@ def forward_with(model: torch.nn.Module, ids: torch.Tensor, cache, **kwargs):
 
 
 def assert_logits_close(actual, expected, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """Per-step logits (tuples of `[B, V]`) equal within fp32 round-off (SPEC §9: rtol 1e-4)."""
+    """Per-step logits (tuples of `[B, V]`) equal within fp32 round-off (rtol 1e-4)."""
     assert len(actual) == len(expected), f"{len(actual)} steps vs {len(expected)}"
     torch.testing.assert_close(torch.stack(list(actual)), torch.stack(list(expected)), rtol=rtol, atol=atol)

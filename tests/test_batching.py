@@ -1,4 +1,4 @@
-"""Batches with left padding (SPEC §3, §9): each row gets what it would get alone; pads are never selected.
+"""Batches with left padding (design.md §5): each row gets what it would get alone; pads are never selected.
 
 The budget here is small (4 of ~35 chunks per head, rank 8 of 32), so rows really are approximated, and
 the comparison is row-in-batch against the same row alone with its own fresh cache and the same settings.
@@ -21,7 +21,7 @@ from helpers import (
 )
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
-from shadowkv_cache.temporal_cache import TemporalCache
+from shadowkv_cache.shadowkv.temporal_cache import TemporalCache
 
 # One row shorter than min_compress_len (64), so compressed and exact rows mix.
 LENGTHS = (300, 211, 40)
@@ -76,7 +76,7 @@ def test_left_padded_rows_match_rows_alone(model, selections):
         assert layer.prompt.budget_chunks.tolist() == [s.budget_chunks for s in sizes]
 
     # Pads are never selected: every held chunk is a real, selectable chunk of its own row, at every step.
-    selectable_of = {id(layer.temporal): layer.prompt.selectable for layer in cache.layers}
+    selectable_of = {id(layer.mode.temporal): layer.prompt.selectable for layer in cache.layers}
     for step, (temporal, ids_held) in enumerate(batch_selections):
         selectable = selectable_of[id(temporal)]
         for row, size in enumerate(sizes):

@@ -1,4 +1,4 @@
-"""Bad input gets a clear exception before any state changes (SPEC §7); patching is idempotent and undoable (§5).
+"""Bad input gets a clear exception before any state changes (design.md §6); patching is idempotent and undoable (design.md §8).
 
 Construction failures must leave the model untouched, so these tests use fresh models, not the shared ones.
 """
@@ -25,7 +25,7 @@ from transformers.models.llama import modeling_llama
 
 import shadowkv_cache
 from shadowkv_cache import SUPPORTED_ARCHITECTURES, ShadowKVCache, ShadowKVConfig, patch_model, unpatch_model
-from shadowkv_cache.adapters import model_type_of
+from shadowkv_cache.hf.adapters import model_type_of
 
 # (override, field named in the message)
 BAD_VALUES = [
@@ -134,7 +134,7 @@ def test_unsupported_architecture_lists_the_supported_ones(make):
 
 def patched_llamas():
     gc.collect()
-    return [m for m in list(shadowkv_cache.adapters._ADAPTERS) if model_type_of(m) == "llama"]
+    return [m for m in list(shadowkv_cache.hf.adapters._ADAPTERS) if model_type_of(m) == "llama"]
 
 
 def test_patching_is_idempotent_and_unpatching_restores_the_model():

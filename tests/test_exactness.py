@@ -1,4 +1,4 @@
-"""Exactness invariant (SPEC §3, §9): full budget + full rank gives the logits and greedy tokens of `DynamicCache`.
+"""Exactness invariant (design.md §6): full budget + full rank gives the logits and greedy tokens of `DynamicCache`.
 
 Each test also checks that the ShadowKV machinery really ran (layers compressed, chunks selected, misses
 rebuilt from the low-rank factors and fetched from the host store), so that "equal to DynamicCache" cannot
@@ -63,7 +63,7 @@ def assert_full_selection_ran(cache: ShadowKVCache, decode_steps: int, batch: in
     missed = 0
     for i, layer in enumerate(cache.layers):
         assert layer.is_compressed, f"layer {i} was not compressed"
-        prompt, temporal = layer.prompt, layer.temporal
+        prompt, temporal = layer.prompt, layer.mode.temporal
         selectable = prompt.selectable  # [B, Hkv, C]
         per_step = int(selectable.sum())
         assert per_step > 0, "nothing selectable: the test would not exercise selection"
@@ -131,7 +131,7 @@ def test_full_budget_variants(changes):
     ids=["more-outliers-than-chunks", "defaults-at-64-tokens"],
 )
 def test_all_chunks_outliers_is_exact(length, changes):
-    """Every chunk is an outlier: nothing is selectable, the budget clamps to 0 and nothing raises (SPEC §9)."""
+    """Every chunk is an outlier: nothing is selectable, the budget clamps to 0 and nothing raises ."""
     model = tiny_model("llama")
     ids = random_prompt(length, seed=8)
     ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=8)
@@ -193,7 +193,7 @@ def test_short_prompt_stays_exact(model, length):
     # Generation went past min_compress_len, but only the first fill decides: nothing is compressed.
     assert cache.get_seq_length() >= 64
     assert not any(layer.is_compressed for layer in cache.layers)
-    assert all(layer.temporal is None for layer in cache.layers)
+    assert all(layer.mode.temporal is None for layer in cache.layers)
 
 
 def test_prompt_of_exactly_min_compress_len_is_compressed():

@@ -1,4 +1,4 @@
-"""Gemma 3 (SPEC §9): sliding-window layers keep an exact sliding cache, ShadowKV compresses the full-attention
+"""Gemma 3 (design.md §8): sliding-window layers keep an exact sliding cache, ShadowKV compresses the full-attention
 layers only.
 
 The tiny model (tests/helpers.py) alternates sliding (16-token window) and full-attention layers, uses another
@@ -52,7 +52,9 @@ def assert_layer_kinds(cache: ShadowKVCache, seen_tokens: int, selected: bool = 
         if i in FULL_LAYERS:
             assert layer.is_compressed, f"full-attention layer {i} was not compressed"
             if selected:
-                assert int(layer.temporal.lookups) > int(layer.temporal.hits), f"layer {i}: no key was rebuilt"
+                assert int(layer.mode.temporal.lookups) > int(layer.mode.temporal.hits), (
+                    f"layer {i}: no key was rebuilt"
+                )
         else:
             assert isinstance(layer, DynamicSlidingWindowLayer) and not layer.is_compressed, f"layer {i}"
             assert layer.keys.shape[2] == SLIDING_WINDOW - 1, f"sliding layer {i} holds {layer.keys.shape[2]}"

@@ -1,4 +1,4 @@
-"""The usual `generate` features work with a ShadowKV cache (SPEC §2): sampling, streaming, stopping
+"""The usual `generate` features work with a ShadowKV cache: sampling, streaming, stopping
 criteria, beam search, several return sequences, multi-turn, `crop`, and the row operations generate uses.
 
 Where a feature has a reference, ShadowKV at full budget and full rank must reproduce `DynamicCache`.

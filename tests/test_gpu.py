@@ -41,8 +41,8 @@ def test_full_budget_exact_on_cuda(cuda_model):
     for layer in cache.layers:
         assert layer.is_compressed
         assert layer.prompt.values.data.is_pinned()
-        assert layer.prompt.a.is_cuda and layer.temporal.keys.is_cuda
-    temporal = cache.layers[0].temporal
+        assert layer.prompt.a.is_cuda and layer.mode.temporal.keys.is_cuda
+    temporal = cache.layers[0].mode.temporal
     assert int(temporal.lookups) > int(temporal.hits)
 
 
@@ -141,7 +141,7 @@ def test_failed_capture_falls_back_to_eager_and_leaves_cuda_usable(cuda_model, m
     forked onto the side stream) must end the capture cleanly: decoding goes on eagerly with the same tokens, and
     the process can still draw CUDA random numbers (a capture that cannot end leaves the generator in capture
     mode)."""
-    import shadowkv_cache.temporal_cache as temporal_cache
+    import shadowkv_cache.shadowkv.temporal_cache as temporal_cache
 
     ids = random_prompt(301, seed=7).cuda()
     eager = generate_with(cuda_model, ids, ShadowKVCache(cuda_model, cuda_graphs=False, **small_budget_overrides()))

@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shadowkv_cache import kernel_loader
+from shadowkv_cache.ops import loader as kernel_loader
 from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
-from shadowkv_cache.pinned_pool import PinnedPool
 from shadowkv_cache.quant import HiggsQuantizer
-from shadowkv_cache.value_store import HostValueStore
+from shadowkv_cache.stores.pinned_pool import PinnedPool
+from shadowkv_cache.stores.value_store import HostValueStore
 
 
 def random_scan_case(batch: int, heads: int, slots: int, chunks: int, seed: int):
@@ -203,7 +203,7 @@ def test_loader_compiles_once_then_reads_the_disk_cache(tmp_path, monkeypatch):
     kernel_loader.cubin_for("temporal_scan", "sm_80", fake_compile, tmp_path)  # another arch: another file
     assert len(calls) == 2
     names = sorted(p.name for p in tmp_path.glob("*.cubin"))
-    assert len(names) == 2 and all(n.startswith(f"temporal_scan-{kernel_loader._package_version()}-sm_") for n in names)
+    assert len(names) == 2 and all(n.startswith(f"temporal_scan-{kernel_loader.__version__}-sm_") for n in names)
     assert not list(tmp_path.glob(".*"))  # no temporary files left behind
 
 

@@ -12,12 +12,12 @@ from helpers import forward_with, make_tiny_model, random_prompt, small_budget_o
 from test_kernel_twins import random_scan_case
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.adapters import patch_model
-from shadowkv_cache.kernel_loader import kernels_available
+from shadowkv_cache.hf.adapters import patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
+from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
-from shadowkv_cache.value_store import HostValueStore
+from shadowkv_cache.stores.value_store import HostValueStore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -223,9 +223,9 @@ def test_decode_step_does_not_synchronise_with_the_host(mode, value_format):
             torch.cuda.set_sync_debug_mode(0)
         assert out.shape == (1, 1, heads, dim) and torch.isfinite(out).all()
     if mode == "yakv":
-        assert layer.sparse_steps == 3 and layer.prompt.store.data.is_pinned()
+        assert layer.mode.sparse_steps == 3 and layer.prompt.store.data.is_pinned()
     else:
-        assert int(layer.temporal.lookups) > 0
+        assert int(layer.mode.temporal.lookups) > 0
 
 
 @pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])

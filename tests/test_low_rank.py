@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import NUM_KV_HEADS
 
-from shadowkv_cache.landmarks import chunk_landmarks, outlier_chunks
-from shadowkv_cache.low_rank import factorize_keys, reconstruct_keys
+from shadowkv_cache.core.landmarks import chunk_landmarks, outlier_chunks
+from shadowkv_cache.core.low_rank import factorize_keys, reconstruct_keys
 
 
 def low_rank_plus_noise(tokens: int, dim: int, true_rank: int, noise: float, seed: int = 0) -> torch.Tensor:

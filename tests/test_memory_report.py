@@ -66,8 +66,8 @@ def test_host_bytes_are_the_value_store(long_run):
 def test_hit_rate_is_a_share(long_run):
     cache, _ = long_run
     report = cache.memory_report()
-    hits = sum(int(layer.temporal.hits) for layer in cache.layers)
-    lookups = sum(int(layer.temporal.lookups) for layer in cache.layers)
+    hits = sum(int(layer.mode.temporal.hits) for layer in cache.layers)
+    lookups = sum(int(layer.mode.temporal.lookups) for layer in cache.layers)
     assert lookups > 0
     assert 0.0 <= report.hit_rate <= 1.0
     assert report.hit_rate == pytest.approx(hits / lookups)

@@ -22,10 +22,10 @@ from helpers import (
 )
 
 from shadowkv_cache import PrefixCacheError, ShadowKVCache
-from shadowkv_cache import microbatch as microbatch_module
-from shadowkv_cache.compressed_prompt import CompressedPrompt
-from shadowkv_cache.microbatch import position_ids
+from shadowkv_cache.hf import microbatch as microbatch_module
+from shadowkv_cache.hf.microbatch import position_ids
 from shadowkv_cache.policies import OracleTopK, Quest, SnapKV, StreamingLLM
+from shadowkv_cache.shadowkv.prompt import CompressedPrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -169,7 +169,9 @@ def test_only_compressed_rows_stay_between_micro_batches(monkeypatch):
     real_run = microbatch_module.run_prompt
 
     def checking_run(model, ids, part, **kwargs):
-        seen.append([(layer.is_compressed, layer.keys.shape[2], layer.temporal) for p in parts for layer in p.layers])
+        seen.append(
+            [(layer.is_compressed, layer.keys.shape[2], layer.mode.temporal) for p in parts for layer in p.layers]
+        )
         real_run(model, ids, part, **kwargs)
         parts.append(part)
 
@@ -182,9 +184,9 @@ def test_only_compressed_rows_stay_between_micro_batches(monkeypatch):
 def test_value_stores_join_into_reused_pinned_memory(monkeypatch):
     """Stores of different chunk counts join row by row (reordered rows too); padding chunks are zero even in a
     reused pool block that held other data (a fake pin: the pool's bookkeeping, no CUDA)."""
-    from shadowkv_cache import value_store
-    from shadowkv_cache.pinned_pool import PinnedPool
-    from shadowkv_cache.value_store import HostValueStore
+    from shadowkv_cache.stores import value_store
+    from shadowkv_cache.stores.pinned_pool import PinnedPool
+    from shadowkv_cache.stores.value_store import HostValueStore
 
     pool = PinnedPool(register=lambda t: None, unregister=lambda t: None)
     monkeypatch.setattr(value_store, "pinned_pool", lambda: pool)
@@ -315,7 +317,7 @@ def test_on_cuda_pinned_values_and_lower_peak_memory():
     for layer in cache.layers:
         store = layer.prompt.values
         assert store.data.is_pinned() and store.device_row_map(torch.device("cuda")).is_cuda
-        assert layer.prompt.a.is_cuda and layer.temporal.keys.is_cuda
+        assert layer.prompt.a.is_cuda and layer.mode.temporal.keys.is_cuda
 
     out = generate_with(model, ids.cuda(), cache, attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)
     ref = generate_with(model, ids.cuda(), ref_cache, attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS)

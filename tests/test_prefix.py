@@ -1,4 +1,4 @@
-"""Prefix reuse (issue 5, SPEC §9): save a document's compressed state, load it in this or another process,
+"""Prefix reuse (design.md §9): save a document's compressed state, load it in this or another process,
 share one document across a batch of questions, and refuse every file that does not fit.
 
 A document is prefilled once (`ShadowKVCache.prefill`); `generate` then gets the document ids followed by the
@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shadowkv_cache import LandmarkTopK, PrefixCacheError, ShadowKVCache, unpatch_model
-from shadowkv_cache.adapters import _ADAPTERS
 from shadowkv_cache.fidelity import natural_text_ids
+from shadowkv_cache.hf.adapters import _ADAPTERS
 from shadowkv_cache.prefix import FORMAT_VERSION, METADATA_KEY, batch_questions
 
 DOC = 240  # tokens: 26 chunks of 8 after the local window, so selection and rebuild really run
@@ -186,10 +186,10 @@ def test_shared_batch_holds_one_copy_of_the_document(document):
         assert m.prompt.a.shape[0] == 16 and m.prompt.a.stride(0) == 0  # device: views of one copy
         assert m.prompt.a.data_ptr() == d.prompt.a.data_ptr()
         assert m.prompt.policy_state["landmarks"].data_ptr() == d.prompt.policy_state["landmarks"].data_ptr()
-        assert m.temporal.keys.shape[0] == 16  # per question: its own temporal cache
+        assert m.mode.temporal.keys.shape[0] == 16  # per question: its own temporal cache
     report_one, report_many = one.memory_report(), many.memory_report()
     assert report_many.host_bytes == report_one.host_bytes
-    temporal = sum(layer.temporal.nbytes for layer in one.layers)
+    temporal = sum(layer.mode.temporal.nbytes for layer in one.layers)
     assert report_many.gpu_bytes == report_one.gpu_bytes + 15 * temporal
 
 
@@ -197,7 +197,7 @@ def test_forking_leaves_the_document_reusable(document, question):
     model = tiny_model("llama")
     doc = ShadowKVCache.prefill(model, document, **small_budget_overrides())
     first = ask(model, doc.fork(), document, question)
-    assert doc.get_seq_length() == DOC and doc.layers[0].temporal.ids.eq(-1).all()
+    assert doc.get_seq_length() == DOC and doc.layers[0].mode.temporal.ids.eq(-1).all()
     second = ask(model, doc.fork(), document, question)
     assert torch.equal(first.sequences, second.sequences)
     used = doc.fork()
@@ -406,7 +406,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(saved, tmp_path, mo
         Path(filename).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr("shadowkv_cache.prefix.save_file", crash)
+    monkeypatch.setattr("shadowkv_cache.prefix.format.save_file", crash)
     doc = ShadowKVCache.prefill(tiny_model("llama"), document, **small_budget_overrides(rank=4))
     with pytest.raises(OSError, match="disk full"):
         doc.save_prefix(path)

@@ -1,4 +1,4 @@
-"""Nothing of the prompt is ever dropped (SPEC §3): every real token stays reachable, exactly once.
+"""Nothing of the prompt is ever dropped (design.md §6): every real token stays reachable, exactly once.
 
 After compression each real prompt token of a row is, per KV head, in exactly one of: a selectable chunk
 (keys rebuilt from `A·B` + RoPE, values in the host store), an outlier chunk (exact on the device) or the
@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig, patch_model
-from shadowkv_cache.compressed_prompt import CompressedPrompt, compress_prompt
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys
+from shadowkv_cache.shadowkv.prompt import CompressedPrompt, compress_prompt
 
 
 def assert_every_token_reachable_once(
@@ -120,7 +120,7 @@ def test_prefill_keeps_every_prompt_token_reachable(arch, lengths):
             if n < config.min_compress_len:
                 size = config.resolve(n, KEY_DIM)
                 assert size.num_chunks == 0 and size.local == n
-            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.rope)
+            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.mode.rope)
 
 
 @settings(

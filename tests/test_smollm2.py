@@ -42,7 +42,7 @@ def test_full_budget_is_exact(smollm2, text_ids):
     test = teacher_forced_logits(model, ids, PROMPT, cache)
 
     assert all(layer.is_compressed for layer in cache.layers)
-    temporal = cache.layers[0].temporal
+    temporal = cache.layers[0].mode.temporal
     assert int(temporal.lookups) > int(temporal.hits) > 0  # the first step rebuilt, later steps reused
     torch.testing.assert_close(test, full, rtol=1e-4, atol=1e-4)
 

@@ -24,8 +24,8 @@ from helpers import (
 
 from shadowkv_cache import PrefixCacheError, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.ops.gather_values import gather_values
-from shadowkv_cache.value_codecs import value_codec
-from shadowkv_cache.value_store import HostValueStore
+from shadowkv_cache.stores.value_codecs import value_codec
+from shadowkv_cache.stores.value_store import HostValueStore
 
 QUANTISED = ["fp8", "higgs4"]
 NEW_TOKENS = 10

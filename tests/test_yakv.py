@@ -1,4 +1,4 @@
-"""YAKV mode (SPEC §4): quantised keys and values on the host, every token scored from a ~2-bit device copy.
+"""YAKV mode (design.md §4): quantised keys and values on the host, every token scored from a ~2-bit device copy.
 
 At full budget a YAKV cache must reproduce the model's own `DynamicCache` whose prompt keys and values
 (all but the recent window) went through the same 4-bit quantise-dequantise round trip; below it, padded
@@ -26,12 +26,13 @@ from helpers import (
 )
 
 from shadowkv_cache import LandmarkTopK, PrefixCacheError, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.gather_dequant import gather_dequant
 from shadowkv_cache.ops.score_codes import score_codes
 from shadowkv_cache.policies import QuantizedKeyTopK
 from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
-from shadowkv_cache.quantized_store import QuantizedKVStore, pack_records
-from shadowkv_cache.yakv_layer import YakvLayer
+from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
+from shadowkv_cache.yakv.mode import YakvMode
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -90,11 +91,11 @@ def test_full_budget_matches_dynamic_cache_on_quantised_prompt(model):
     assert torch.equal(out.sequences[:, PROMPT:], ref_tokens)
     assert_logits_close(out.logits, ref_logits)
     for layer in cache.layers:
-        assert isinstance(layer, YakvLayer) and layer.is_compressed
+        assert isinstance(layer, CompressedLayer) and isinstance(layer.mode, YakvMode) and layer.is_compressed
         assert layer.prompt.real.sum() == PROMPT - RECENT
-        assert layer.sparse_steps == STEPS - 1  # every decode step selected (the first logits are the prefill's)
+        assert layer.mode.sparse_steps == STEPS - 1  # every decode step selected (the first logits are the prefill's)
         record = 2 * HEAD_DIM // 2 + 4
-        assert layer.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
+        assert layer.mode.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
 
 
 def test_quantisation_changes_the_output():
@@ -172,10 +173,10 @@ def test_multi_turn_reads_every_token_and_matches_the_reference(llama):
     ref_logits = forward_with(llama, seq[:, PROMPT:], ref).logits[:, -1]
     torch.testing.assert_close(second.logits[0], ref_logits, rtol=1e-4, atol=1e-5)
     layer = cache.layers[0]
-    assert layer.sparse_steps == 3
+    assert layer.mode.sparse_steps == 3
     record = 2 * HEAD_DIM // 2 + 4
     dense = (PROMPT - RECENT) * NUM_KV_HEADS * record
-    assert layer.fetched_bytes == dense + 3 * 24 * NUM_KV_HEADS * record
+    assert layer.mode.fetched_bytes == dense + 3 * 24 * NUM_KV_HEADS * record
 
 
 def test_crop_then_next_turn_equals_fresh_turn(llama):

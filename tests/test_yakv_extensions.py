@@ -203,8 +203,8 @@ def test_full_budget_matches_dynamic_cache_on_quantised_prompt(llama, name):
     assert_logits_close(out.logits, ref_logits)
     record = 2 * HEAD_DIM // 2 + 4
     for layer in cache.layers:
-        assert layer.sparse_steps == STEPS - 1
-        assert layer.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
+        assert layer.mode.sparse_steps == STEPS - 1
+        assert layer.mode.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

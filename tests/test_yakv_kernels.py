@@ -14,12 +14,12 @@ import torch
 from helpers import generate_with, make_tiny_model, random_prompt
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.kernel_loader import kernels_available
 from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
+from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
 from shadowkv_cache.ops.score_codes import code_scores, code_scores_reference
 from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
-from shadowkv_cache.quantized_store import QuantizedKVStore, pack_records
+from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
 
 pytestmark = [
     pytest.mark.gpu,

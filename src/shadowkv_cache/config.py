@@ -10,10 +10,10 @@ from dataclasses import dataclass, fields
 
 __all__ = ["ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
 
-# How the host value store encodes values (value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
+# How the host value store encodes values (stores/value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
 VALUE_FORMATS = ("native", "fp8", "higgs4")
 
-# The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale (SPEC §9).
+# The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale.
 _RANK_SHARE = 0.15625  # 160 / 1024
 _BUDGET_SHARE = 0.015625  # 2048 / 131072
 _BUDGET_FLOOR = 256
@@ -31,9 +31,10 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShadowKVConfig:
-    """Settings of the ShadowKV cache. `None` means the paper's setting scaled to the model and prompt.
+    """Settings of the ShadowKV cache, immutable once validated (`dataclasses.replace` makes a changed copy). `None`
+    means the paper's setting scaled to the model and prompt.
 
     Args:
         rank (`int` or `float`, *optional*):
@@ -68,10 +69,10 @@ class ShadowKVConfig:
             How the offloaded values are stored in host memory: `"native"` in the KV dtype (16 bits per value in
             bf16), `"fp8"` as float8 e4m3 with one bf16 scale per value vector (`8 + 16/D` bits), `"higgs4"`
             ~4-bit HIGGS codes (2-D grid, `4 + 16/D` bits). Fetched values are decoded to the KV dtype; the
-            outlier, local and generated values stay exact. See `value_codecs.py`.
+            outlier, local and generated values stay exact. See `stores/value_codecs.py`.
         mode (`str`, *optional*, defaults to `"shadowkv"`):
             `"shadowkv"` (low-rank keys, chunk landmarks, outliers, values on the host) or `"yakv"` (the
-            context-intensive mode, SPEC §4: keys and values quantised ~4-bit on the host, a ~2-bit copy of every
+            context-intensive mode, design.md §4: keys and values quantised ~4-bit on the host, a ~2-bit copy of every
             key on the device scores each token, the top `sparse_budget` tokens per KV head are fetched). In
             YAKV mode `rank`, `outlier_chunks`, `chunk_size` and `local_window` do not apply; `sparse_budget`
             counts tokens (not rounded to chunks) and defaults to `max(512, 3.125% of S)`, the same PCIe bytes

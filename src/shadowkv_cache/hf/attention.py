@@ -15,8 +15,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .adapters import ATTENTION_NAME, current_step
-from .layer import ShadowKVLayer
+from .layer import CompressedLayer
+from .step_context import ATTENTION_NAME, current_step
 
 __all__ = ["register_attention", "shadowkv_attention"]
 
@@ -35,7 +35,7 @@ def shadowkv_attention(
     step = current_step()
     layers = getattr(step.cache, "layers", None) if step is not None else None
     layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
-    if not isinstance(layer, ShadowKVLayer):
+    if not isinstance(layer, CompressedLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -11,15 +11,19 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from . import microbatch, prefix
+from .. import prefix
+from ..config import ShadowKVConfig
+from ..memory_report import LayerMemory, MemoryReport
+from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
+from ..shadowkv.mode import ShadowKVMode
+from ..stores.value_codecs import check_value_format
+from ..yakv.mode import YakvMode
+from . import microbatch
 from .adapters import check_supported, patch_model, sliding_windows
-from .config import ShadowKVConfig
-from .layer import ShadowKVLayer
-from .memory_report import LayerMemory, MemoryReport
-from .policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
+from .decode_graph import GraphSwitch
+from .layer import CompressedLayer
+from .prefill import prefill as prefill_document
 from .sliding_layer import SlidingLayer
-from .value_codecs import check_value_format
-from .yakv_layer import YakvLayer
 
 __all__ = ["ShadowKVCache"]
 
@@ -32,7 +36,7 @@ class ShadowKVCache(Cache):
     decode step selects the top chunks per KV head, rebuilds only missed keys and fetches only missed values.
     Prompts shorter than `min_compress_len` stay exact. With `mode="yakv"` the prompt's keys and values are
     instead quantised ~4-bit into host memory and every token is scored from a ~2-bit copy of its key kept on
-    the device; the top tokens per KV head are fetched (SPEC §4, `YakvLayer`).
+    the device; the top tokens per KV head are fetched (design.md §4, `YakvMode`).
 
     Args:
         model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text); it is
@@ -93,9 +97,13 @@ class ShadowKVCache(Cache):
         adapter = patch_model(model)
         self.config = config
         self.policy = policy or (QuantizedKeyTopK(config.score_grid_dim) if yakv else LandmarkTopK())
-        layer_class = YakvLayer if yakv else ShadowKVLayer
+        self._graphs = GraphSwitch()  # off for this cache once a capture fails
+
+        def mode():
+            return YakvMode(config, self.policy) if yakv else ShadowKVMode(config, self.policy, adapter.rope)
+
         layers = [
-            layer_class(config, self.policy, adapter.rope) if window is None else SlidingLayer(window)
+            CompressedLayer(mode(), self._graphs) if window is None else SlidingLayer(window)
             for window in sliding_windows(text_config)
         ]
         super().__init__(layers=layers)
@@ -112,7 +120,7 @@ class ShadowKVCache(Cache):
         super().reset()
         self._prefix_ids, self._prefix_checked, self._prefilled = None, False, None
 
-    # -- prefix reuse (format and checks in prefix.py) -------------------------------------------------------
+    # -- prefix reuse (format and checks in prefix/) -------------------------------------------------------
 
     @classmethod
     def prefill(
@@ -129,7 +137,7 @@ class ShadowKVCache(Cache):
         _refuse_sliding_prefix(model, "prefill")
         cache = cls(model, config, policy, **overrides)
         ids = prefix.as_prefix_ids(input_ids)
-        prefix.prefill(model, ids, cache, progress=progress)
+        prefill_document(model, ids, cache, progress=progress)
         cache._prefix_ids = ids
         return cache
 
@@ -185,7 +193,7 @@ class ShadowKVCache(Cache):
         return self._prefix_ids
 
     def save_prefix(self, path: str | os.PathLike, input_ids: torch.Tensor | None = None) -> None:
-        """Save this one-row cache's document to a `.safetensors` file (atomically; format in prefix.py).
+        """Save this one-row cache's document to a `.safetensors` file (atomically; format in prefix/).
 
         Args:
             path (`str` or `os.PathLike`): the file to write (replaced if it exists).
@@ -264,7 +272,8 @@ class ShadowKVCache(Cache):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
         forked = copy.copy(self)
-        forked.layers = [layer.fork(batch_size) for layer in self.layers]
+        forked._graphs = GraphSwitch(self._graphs.enabled)
+        forked.layers = [layer.fork(batch_size, forked._graphs) for layer in self.layers]
         forked._prefix_checked, forked._prefilled = False, None
         return forked
 
@@ -287,9 +296,9 @@ class ShadowKVCache(Cache):
         for i, layer in enumerate(self.layers):
             device, host, full = layer.nbytes()
             per_layer.append(LayerMemory(i, layer.is_compressed, device, host, full))
-            if layer.temporal is not None:
-                hits += int(layer.temporal.hits)
-                lookups += int(layer.temporal.lookups)
+            counts = layer.hit_counts() if isinstance(layer, CompressedLayer) else None
+            if counts is not None:
+                hits, lookups = hits + counts[0], lookups + counts[1]
         return MemoryReport(tuple(per_layer), hits / lookups if lookups else None)
 
     def __repr__(self) -> str:

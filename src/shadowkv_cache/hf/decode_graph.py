@@ -19,9 +19,24 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-__all__ = ["DecodeGraph"]
+__all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none"]
 
 _LAST: dict[int, weakref.ref] = {}
+
+
+class GraphSwitch:
+    """Whether the layers of one cache may capture their decode steps: on until a capture fails, then off for that
+    cache (and the caches forked from it later), so a setup that cannot be captured is not retried at every layer.
+
+    Args:
+        enabled (`bool`, *optional*, defaults to True): the starting state.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def disable(self) -> None:
+        self.enabled = False
 
 
 def _pool(device: torch.device) -> tuple:

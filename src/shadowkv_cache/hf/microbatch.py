@@ -3,7 +3,7 @@
 Legend: B batch, b rows of one micro batch, L prompt slots (pads included), P = L - 1 prefilled slots,
 Hkv KV heads, D head dim.
 
-Each layer is compressed right after its attention (attention.py), so one forward holds the full K/V of one
+Each layer is compressed right after its attention (hf/attention.py), so one forward holds the full K/V of one
 layer only. Running the batch `b` rows at a time bounds that K/V and the activations by the micro batch; only
 compressed rows stay on the device between micro batches. Every micro batch keeps the batch's full width, so
 pads stay on the left, each row gets the positions a batched prefill gives it (from the mask, as `generate`
@@ -22,9 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .compressed_prompt import CompressedPrompt, local_only_prompt
-from .layer import ShadowKVLayer
-from .prefix import PrefixCacheError, run_prompt
+from ..prefix import PrefixCacheError
+from ..shadowkv.prompt import CompressedPrompt, local_only_prompt
+from .layer import CompressedLayer
+from .prefill import run_prompt
 
 __all__ = ["check_batch", "check_generate_ids", "join_parts", "prefill_parts", "position_ids"]
 
@@ -105,8 +106,8 @@ def prefill_parts(
                 position_ids=positions[rows],
             )
             for layer in part.layers:
-                if isinstance(layer, ShadowKVLayer):
-                    layer.temporal = None  # empty; the joined layer makes its own
+                if isinstance(layer, CompressedLayer):
+                    layer.drop_decode_state()  # the joined layer makes its own
             parts.append(part)
             if bar is not None:
                 bar.update(input_ids[rows].shape[0])
@@ -135,7 +136,7 @@ def join_parts(cache, parts: list, attention_mask: torch.Tensor, pin_memory: boo
         layers = [part.layers[i] for part in parts]
         if not all(layer.is_initialized for layer in layers):
             raise RuntimeError(f"Layer {i} was not filled by the prefill; prefill_batch cannot join it.")
-        if isinstance(target, ShadowKVLayer):
+        if isinstance(target, CompressedLayer):
             _join_shadowkv_layer(target, layers, [real[b] for b in bounds], pin_memory)
         else:
             joined = copy.copy(layers[0])  # scalars (e.g. a sliding layer's cumulative length) are equal in all
@@ -148,7 +149,7 @@ def join_parts(cache, parts: list, attention_mask: torch.Tensor, pin_memory: boo
 
 
 def _join_shadowkv_layer(
-    target: ShadowKVLayer, layers: list[ShadowKVLayer], real: list[torch.Tensor], pin_memory: bool
+    target: CompressedLayer, layers: list[CompressedLayer], real: list[torch.Tensor], pin_memory: bool
 ) -> None:
     compressed = [layer.prompt for layer in layers if layer.is_compressed]
     if not compressed:

@@ -1,4 +1,4 @@
-"""`SlidingLayer`: a sliding-window layer of a `ShadowKVCache`, kept exact (SPEC §9).
+"""`SlidingLayer`: a sliding-window layer of a `ShadowKVCache`, kept exact (design.md §8).
 
 Legend: B batch, Hkv KV heads, W sliding window, D head dim.
 
@@ -24,7 +24,6 @@ class SlidingLayer(DynamicSlidingWindowLayer):
     """
 
     prompt = None  # no compressed prompt
-    temporal = None  # no temporal cache, so no hits or lookups in the memory report
     is_compressed = False
 
     def nbytes(self) -> tuple[int, int, int]:

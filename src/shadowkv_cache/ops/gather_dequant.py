@@ -15,9 +15,9 @@ import ctypes
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer
-from ..quantized_store import QuantizedKVStore, record_bytes, unpack_records
+from ..stores.quantized_store import QuantizedKVStore, record_bytes, unpack_records
+from .loader import kernels_available, load_kernels
 
 __all__ = ["dequant_records", "gather_dequant", "gather_dequant_reference", "gather_records"]
 

@@ -7,7 +7,7 @@ On CUDA with a pinned store the kernels of `kernels/gather_values.cu` read each 
 block straight from host memory over PCIe (zero copy: no staging buffer, no host synchronisation); one
 block per slot, hits return at once. A quantised store's block (codes plus its `c` scales) is decoded on
 the way into the slots, so only the encoded bytes cross PCIe. Otherwise the twin indexes the store on the
-host, copies and decodes with the codec (`value_codecs.py`, the definition).
+host, copies and decodes with the codec (`stores/value_codecs.py`, the definition).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import ctypes
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
-from ..value_store import HostValueStore
+from ..stores.value_store import HostValueStore
+from .loader import kernels_available, load_kernels
 
 __all__ = ["gather_values", "gather_values_reference"]
 

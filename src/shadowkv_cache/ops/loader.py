@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_dir
+from ..version import __version__
+
 __all__ = [
     "KernelError",
     "Kernels",
-    "cache_dir",
+    "kernel_cache_dir",
     "cubin_for",
     "host_device_pointer",
     "kernels_available",
@@ -45,21 +48,12 @@ class KernelError(RuntimeError):
 
 def source_dir() -> Path:
     """Folder of the `.cu`/`.cuh` sources."""
-    return Path(__file__).resolve().parent / "kernels"
+    return Path(__file__).resolve().parents[1] / "kernels"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SHADOWKV_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "shadowkv_cache" / "kernels"
-
-
-def _package_version() -> str:
-    from . import __version__
-
-    return __version__
+def kernel_cache_dir() -> Path:
+    """Where compiled cubins are kept: the package's cache directory's `kernels/`."""
+    return cache_dir() / "kernels"
 
 
 def _sources(stem: str) -> tuple[str, dict[str, str]]:
@@ -87,8 +81,8 @@ def cubin_for(
     for part in (source, *[f"{k}\0{v}" for k, v in headers.items()], *options):
         digest.update(part.encode())
         digest.update(b"\0")
-    directory = directory or cache_dir()
-    path = directory / f"{stem}-{_package_version()}-{arch}-{digest.hexdigest()[:16]}.cubin"
+    directory = directory or kernel_cache_dir()
+    path = directory / f"{stem}-{__version__}-{arch}-{digest.hexdigest()[:16]}.cubin"
     if path.is_file():
         return path.read_bytes()
     if os.environ.get("SHADOWKV_NO_COMPILE", "0") not in ("", "0"):

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer, QuantizedVectors
+from .loader import kernels_available, load_kernels
 
 __all__ = ["quantize_vectors", "quantize_vectors_reference", "vector_strides"]
 

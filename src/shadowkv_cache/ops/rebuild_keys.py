@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels
 
 __all__ = ["RopeFn", "rebuild_keys", "rebuild_missed_keys"]
 

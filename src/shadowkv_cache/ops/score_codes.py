@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
 from ..quant import HiggsQuantizer
+from .loader import kernels_available, load_kernels
 
 __all__ = ["attention_scores", "code_scores", "code_scores_reference", "score_codes"]
 

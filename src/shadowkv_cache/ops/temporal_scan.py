@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from ..kernel_loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels
 
 __all__ = ["MAX_KERNEL_SLOTS", "temporal_scan", "temporal_scan_reference"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..landmarks import chunk_landmarks
+from ..core.landmarks import chunk_landmarks
 from .base import SelectionPolicy, grouped_query
 
 __all__ = ["LandmarkTopK"]

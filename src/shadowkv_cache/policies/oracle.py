@@ -2,7 +2,7 @@
 
 The reference point of sparse-attention studies, e.g. Tang et al., "Quest", ICML 2024,
 https://arxiv.org/abs/2406.10774 (§4, oracle top-k), and the "oracle" selection of the context-intensive
-study (seed `kv-offloading-context-intensive-yakv.txt`, §4.2).
+study ("KV Cache Offloading for Context-Intensive Tasks", §4.2).
 """
 
 from __future__ import annotations

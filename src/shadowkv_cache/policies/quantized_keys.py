@@ -1,6 +1,6 @@
 """YAKV's token selection: every key scored from a ~2-bit HIGGS copy kept on the device.
 
-"KV-cache offloading for context-intensive tasks" (seed `kv-offloading-context-intensive-yakv.txt`, §3.2 and
+"KV Cache Offloading for Context-Intensive Tasks" (the YAKV study, §3.2 and
 §4.3): no chunks and no landmarks; each key's quantised copy is scored against the query through a lookup
 table and the top tokens per KV head are fetched.
 """

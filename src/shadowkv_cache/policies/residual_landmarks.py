@@ -1,6 +1,6 @@
 """Residual landmarks: a ~4-bit landmark per group of keys plus a 1-bit residual per key (a YAKV extension).
 
-"KV-cache offloading for context-intensive tasks" (seed `kv-offloading-context-intensive-yakv.txt`, §4.3 and
+"KV Cache Offloading for Context-Intensive Tasks" (the YAKV study, §4.3 and
 Appendix E): the mean of each group of 8 consecutive keys is HIGGS-quantised (~4 bits), the residual of each
 key against its quantised landmark is quantised to 1 bit, and the query scores every key as
 `q . k_hat = repeat(q . L_hat) + q . R_hat` without rebuilding any key.

@@ -1,6 +1,6 @@
 """A token budget shared by the KV heads of a layer (the study's "top-kp", a YAKV extension).
 
-"KV-cache offloading for context-intensive tasks" (seed `kv-offloading-context-intensive-yakv.txt`, §4.3 and
+"KV Cache Offloading for Context-Intensive Tasks" (the YAKV study, §4.3 and
 Appendix F): instead of `k` tokens per KV head, the layer's `Hkv*k` tokens go to the (head, token) pairs with
 the highest approximate attention score, so heads that spread their attention get more tokens and peaked heads
 fewer. Scores must be comparable across heads: softmax-normalised attention (as `QuantizedKeyTopK` and

@@ -1,4 +1,4 @@
-"""Vector quantisers for KV storage (YAKV mode, SPEC §4)."""
+"""Vector quantisers for KV storage (YAKV mode, design.md §4)."""
 
 from .higgs import GRID_DIMS, GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid
 

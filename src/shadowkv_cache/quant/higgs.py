@@ -1,4 +1,4 @@
-"""HIGGS-style vector quantiser for KV head vectors (YAKV, SPEC §4 and §9 "Quantiser bits").
+"""HIGGS-style vector quantiser for KV head vectors (YAKV mode, design.md §4).
 
 Legend: D head dim, p grid dimension, M = D/p sub-vectors per head vector, N vectors, "..." leading dims.
 
@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from ..paths import cache_dir
 
 __all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid"]
 
@@ -109,9 +112,7 @@ def _fit_grid(dim: int, seed: int) -> tuple[torch.Tensor, float]:
 
 
 def _disk_path(dim: int, seed: int) -> Path:
-    from ..embedded_models import cache_dir  # the package's one definition of the user cache directory
-
-    return cache_dir() / "grids" / f"higgs-v{_GRID_VERSION}-p{dim}-n{GRID_POINTS}-seed{seed}.pt"
+    return cache_dir() / "grids" / f"higgs-v{_GRID_VERSION}-p{dim}-n{GRID_POINTS}-seed{seed}.safetensors"
 
 
 @functools.cache
@@ -126,7 +127,7 @@ def gaussian_grid(dim: int, seed: int = 0) -> tuple[torch.Tensor, float]:
     path = _disk_path(dim, seed)
     if path.is_file():
         try:
-            saved = torch.load(path, weights_only=True)
+            saved = load_file(path)
             if saved["grid"].shape == (GRID_POINTS, dim) and saved["grid"].dtype == torch.float32:
                 return saved["grid"], float(saved["mse"])
         except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, whatever the damage
@@ -135,7 +136,7 @@ def gaussian_grid(dim: int, seed: int = 0) -> tuple[torch.Tensor, float]:
     try:  # best effort: a read-only cache directory only costs a rebuild per process
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"grid": grid, "mse": torch.tensor(mse)}, tmp)
+        save_file({"grid": grid, "mse": torch.tensor(mse)}, tmp)
         os.replace(tmp, path)
     except OSError:
         pass

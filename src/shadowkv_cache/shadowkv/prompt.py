@@ -1,4 +1,4 @@
-"""One layer's compressed prompt: what ShadowKV keeps of the prefill (ShadowKV §3, SPEC §3 prefill).
+"""One layer's compressed prompt: what ShadowKV keeps of the prefill (ShadowKV §3; design.md §2).
 
 Legend: B batch, S prompt slots (pads included), Hkv KV heads, D head dim, c chunk size, C chunks,
 Tc = C*c compressed tokens, R rank, O outlier chunks, W local-window tokens.
@@ -15,11 +15,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .config import ShadowKVConfig
-from .landmarks import chunk_landmarks, outlier_chunks
-from .low_rank import factorize_keys
-from .policies.base import SelectionPolicy
-from .value_store import HostValueStore
+from ..config import ShadowKVConfig
+from ..core.landmarks import chunk_landmarks, outlier_chunks
+from ..core.low_rank import factorize_keys
+from ..core.rows import local_window, share_rows, stored_once_nbytes, with_rows
+from ..policies.base import SelectionPolicy
+from ..stores.value_store import HostValueStore
 
 __all__ = ["CompressedPrompt", "compress_prompt", "local_only_prompt"]
 
@@ -49,7 +50,7 @@ class CompressedPrompt:
     slots: int  # S: prompt length as `generate` counts it, pads included
     max_budget_chunks: int  # K = max over rows of budget_chunks
 
-    _ROW_FIELDS = (
+    ROW_FIELDS = (
         "a", "b", "positions", "selectable", "budget_chunks", "outlier_keys", "outlier_values",
         "outlier_valid", "local_keys", "local_values", "local_valid",
     )  # fmt: skip
@@ -65,26 +66,15 @@ class CompressedPrompt:
         what is per row (temporal cache, question and generated tokens) lives in the layer."""
         if not self.is_one_document:
             raise ValueError(f"Only a one-document prompt can be shared; this one has {self.a.shape[0]} rows.")
-
-        def share(t: torch.Tensor) -> torch.Tensor:
-            return t[:1].expand(batch_size, *t.shape[1:])
-
-        changes = {name: share(getattr(self, name)) for name in self._ROW_FIELDS}
-        changes["policy_state"] = {k: share(v) for k, v in self.policy_state.items()}
-        changes["values"] = self.values.select_rows(torch.zeros(batch_size, dtype=torch.int64))
-        kept = {f.name: getattr(self, f.name) for f in fields(self)}
-        return CompressedPrompt(**{**kept, **changes})
+        zeros = torch.zeros(batch_size, dtype=torch.int64)
+        return with_rows(self, lambda t: share_rows(t, batch_size), "values", zeros)
 
     def select_rows(self, index: torch.Tensor) -> CompressedPrompt:
         """The same prompt for cache rows `index` (`[B']`); host values are shared, not copied, and so is a
         one-document prompt's device state (beam search or repeated rows over one prompt)."""
         if self.is_one_document:
             return self.shared(len(index))
-        changes = {name: getattr(self, name)[index] for name in self._ROW_FIELDS}
-        changes["policy_state"] = {k: v[index] for k, v in self.policy_state.items()}
-        changes["values"] = self.values.select_rows(index)
-        kept = {f.name: getattr(self, f.name) for f in fields(self)}
-        return CompressedPrompt(**{**kept, **changes})
+        return with_rows(self, lambda t: t[index], "values", index)
 
     @classmethod
     def concat(cls, prompts: list[CompressedPrompt], pin: bool) -> CompressedPrompt:
@@ -109,8 +99,7 @@ class CompressedPrompt:
             )
         right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
         changes = {
-            name: _stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name))
-            for name in cls._ROW_FIELDS
+            name: _stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
         }
         changes["policy_state"] = {k: _stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
         changes["values"] = HostValueStore.concat([p.values for p in prompts], pin)
@@ -121,8 +110,7 @@ class CompressedPrompt:
     @property
     def device_nbytes(self) -> int:
         """Bytes held on the device; rows shared through a stride-0 view count once."""
-        tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
-        return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
+        return stored_once_nbytes([*(getattr(self, name) for name in self.ROW_FIELDS), *self.policy_state.values()])
 
 
 def _stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = None) -> torch.Tensor:
@@ -221,7 +209,6 @@ def compress_prompt(
         return None
     rank = max(s.rank for s in sizes)
     num_outliers = max(s.outliers for s in sizes)
-    window = max(s.local for s in sizes)
     dtype, device = keys.dtype, keys.device
 
     a = keys.new_zeros((batch, num_chunks * c, rank))
@@ -233,16 +220,10 @@ def compress_prompt(
     out_keys = keys.new_zeros((batch, heads, num_outliers * c, dim))
     out_values = values.new_zeros((batch, heads, num_outliers * c, dim))
     out_valid = torch.zeros((batch, num_outliers * c), dtype=torch.bool, device=device)
-    local_keys = keys.new_zeros((batch, heads, window, dim))
-    local_values = values.new_zeros((batch, heads, window, dim))
-    local_valid = torch.zeros((batch, window), dtype=torch.bool, device=device)
+    local_keys, local_values, local_valid = local_window(keys, values, [s.local for s in sizes])
 
     for row, (n, size) in enumerate(zip(n_real, sizes)):
         start, n_tok = slots - n, size.num_chunks * c
-        if size.local:
-            local_keys[row, :, window - size.local :] = keys[row, :, slots - size.local :]
-            local_values[row, :, window - size.local :] = values[row, :, slots - size.local :]
-            local_valid[row, window - size.local :] = True
         if not size.num_chunks:
             continue
         span = slice(start, start + n_tok)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .compressed_prompt import CompressedPrompt
-from .ops.gather_values import gather_values
-from .ops.rebuild_keys import RopeFn, rebuild_missed_keys
-from .ops.temporal_scan import temporal_scan
+from ..ops.gather_values import gather_values
+from ..ops.rebuild_keys import RopeFn, rebuild_missed_keys
+from ..ops.temporal_scan import temporal_scan
+from .prompt import CompressedPrompt
 
 __all__ = ["TemporalCache"]
 

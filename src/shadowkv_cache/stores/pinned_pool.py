@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PinnedPool", "pinned_pool"]
+__all__ = ["PinnedPool", "host_copy", "pinned_empty", "pinned_pool"]
 
 _ALIGN = 2 << 20
 
@@ -128,3 +128,25 @@ def pinned_pool() -> PinnedPool:
     if _POOL is None:
         _POOL = PinnedPool()
     return _POOL
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """An uninitialised pinned tensor from the pool, or a `RuntimeError` that says how much could not be pinned
+    for `what` and what to do about it."""
+    try:
+        return pinned_pool().allocate(shape, dtype)
+    except RuntimeError as err:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raise RuntimeError(
+            f"Could not pin {nbytes / 2**30:.2f} GiB of host memory for the ShadowKV {what}. Free host memory, lower "
+            "the batch size, store values as fp8/higgs4 (value_format), or pass pin_memory=False (slower fetches)."
+        ) from err
+
+
+def host_copy(tensor: torch.Tensor, pin: bool, what: str) -> torch.Tensor:
+    """A host copy of `tensor` (any device), pinned from the pool if `pin` (`what` names it in errors)."""
+    if not pin:
+        return tensor.to("cpu", copy=True).contiguous()
+    data = pinned_empty(tensor.shape, tensor.dtype, what)
+    data.copy_(tensor)  # blocking: the store may be read by host-side gathers right away
+    return data

@@ -1,4 +1,4 @@
-"""Host-memory store of a YAKV prompt: ~4-bit keys and values, one record per (row, head, token) (SPEC §4).
+"""Host-memory store of a YAKV prompt: ~4-bit keys and values, one record per (row, head, token) (design.md §4).
 
 Legend: R stored rows, B cache rows, Hkv KV heads, N quantised tokens, M sub-vectors per head vector
 (D / host grid dim), K fetched tokens, E = 2*M + 4 record bytes.
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .pinned_pool import pinned_pool
-from .quant import QuantizedVectors
+from ..quant import QuantizedVectors
+from .pinned_pool import host_copy
+from .row_map import RowMap
 
 __all__ = ["QuantizedKVStore", "pack_records", "record_bytes", "unpack_records"]
 
@@ -56,37 +57,24 @@ class QuantizedKVStore:
 
     Args:
         data (`torch.Tensor`): `[R, Hkv, N, E]` uint8 on the CPU (pinned when the model runs on CUDA).
-        row_map (`torch.Tensor`): `[B]` int64, the stored row behind each cache row.
+        row_map (`torch.Tensor` or `RowMap`): `[B]` int64, the stored row behind each cache row.
     """
 
-    def __init__(self, data: torch.Tensor, row_map: torch.Tensor):
+    def __init__(self, data: torch.Tensor, row_map: torch.Tensor | RowMap):
         if data.device.type != "cpu" or data.dtype != torch.uint8 or data.ndim != 4:
             raise ValueError(
                 f"QuantizedKVStore holds uint8 [R, Hkv, N, E] host memory; got {data.dtype} {tuple(data.shape)} "
                 f"on {data.device}"
             )
-        self.data, self.row_map = data, row_map
-        self._device_row_map: torch.Tensor | None = None
+        self.data = data
+        self.rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
         self._device_pointer: int | None = None
 
     @classmethod
     def offload(cls, records: torch.Tensor, pin: bool) -> QuantizedKVStore:
         """Copy `records` (`[B, Hkv, N, E]` uint8, any device) to host memory, pinned (from the pool) if `pin`."""
-        if not pin:
-            data = records.to("cpu", copy=True).contiguous()
-        else:
-            try:
-                data = pinned_pool().allocate(records.shape, records.dtype)
-            except RuntimeError as err:
-                raise RuntimeError(
-                    f"Could not pin {records.numel() / 2**30:.2f} GiB of host memory for the YAKV store. Free host "
-                    "memory, lower the batch size, or pass pin_memory=False (slower fetches)."
-                ) from err
-            data.copy_(records)
-        store = cls(data, torch.arange(records.shape[0]))
-        if records.device.type == "cuda":  # made here, so that a decode step never copies it from the host
-            store._device_row_map = torch.arange(records.shape[0], device=records.device)
-        return store
+        # The device copy of the row map is made now, so that a decode step never copies it from the host.
+        return cls(host_copy(records, pin, "YAKV store"), RowMap.identity(records.shape[0], records.device))
 
     @property
     def nbytes(self) -> int:
@@ -100,22 +88,23 @@ class QuantizedKVStore:
     def device_pointer(self) -> int:
         """The device-visible address of the pinned `data` (for the zero-copy kernel; needs cuda-python)."""
         if self._device_pointer is None:
-            from .kernel_loader import host_device_pointer
+            from ..ops.loader import host_device_pointer
 
             self._device_pointer = host_device_pointer(self.data)
         return self._device_pointer
 
+    @property
+    def row_map(self) -> torch.Tensor:
+        """`[B]` int64 on the host: the stored row behind each cache row."""
+        return self.rows.host
+
     def device_row_map(self, device: torch.device) -> torch.Tensor:
         """`row_map` on `device`, copied once."""
-        if self._device_row_map is None or self._device_row_map.device != device:
-            self._device_row_map = self.row_map.to(device)
-        return self._device_row_map
+        return self.rows.on(device)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedKVStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        out = QuantizedKVStore(self.data, self.row_map[index.to("cpu")])
-        if self._device_row_map is not None:
-            out._device_row_map = self._device_row_map[index.to(self._device_row_map.device)]
+        out = QuantizedKVStore(self.data, self.rows.select(index))
         out._device_pointer = self._device_pointer
         return out
 

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from .quant.higgs import HiggsQuantizer, QuantizedVectors
+from ..quant.higgs import HiggsQuantizer, QuantizedVectors
 
 __all__ = ["Fp8Codec", "Higgs4Codec", "NativeCodec", "ValueCodec", "check_value_format", "value_codec"]
 

@@ -5,7 +5,7 @@ per value vector (D, or D/2 for 4-bit codes), M fetched chunks.
 
 Layout `[R, Hkv, C, c, P]`: one (head, chunk) is one contiguous block (2 KiB for c=8, D=128 in bf16, 1 KiB
 in fp8), the unit a fetch moves; a quantised format keeps its per-vector scales `[R, Hkv, C, c]` in the same
-order, so a fetch is one block plus its `c` scales. The encoding is the store's codec (`value_codecs.py`).
+order, so a fetch is one block plus its `c` scales. The encoding is the store's codec (`stores/value_codecs.py`).
 Cache rows reach stored rows through `row_map`, so reordering or repeating rows (beam search, several
 questions over one document) never copies values.
 """
@@ -14,29 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .pinned_pool import pinned_pool
+from .pinned_pool import host_copy, pinned_empty
+from .row_map import RowMap
 from .value_codecs import NativeCodec, ValueCodec, value_codec
 
 __all__ = ["HostValueStore"]
-
-
-def _to_host(tensor: torch.Tensor, pin: bool, what: str) -> torch.Tensor:
-    """A host copy of `tensor`, pinned from the process-wide pool if `pin`."""
-    if tensor.device.type == "cpu" and not pin:
-        return tensor.contiguous().clone()
-    if not pin:
-        return tensor.to("cpu")
-    try:
-        data = pinned_pool().allocate(tensor.shape, tensor.dtype)
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"Could not pin {tensor.numel() * tensor.element_size() / 2**30:.2f} GiB of host memory for the "
-            f"ShadowKV {what}. Free host memory, lower the batch size, store values as fp8/higgs4 "
-            "(value_format), or pass pin_memory=False (slower fetches)."
-        ) from err
-    # A blocking copy: the store is read by host-side gathers right after prefill.
-    data.copy_(tensor)
-    return data
 
 
 class HostValueStore:
@@ -45,7 +27,7 @@ class HostValueStore:
     Args:
         data (`torch.Tensor`): `[R, Hkv, C, c, P]` the payload on the CPU (pinned when the model runs on CUDA):
             the values themselves for the native format, codes otherwise.
-        row_map (`torch.Tensor`): `[B]` int64, the stored row behind each cache row.
+        row_map (`torch.Tensor` or `RowMap`): `[B]` int64, the stored row behind each cache row.
         scales (`torch.Tensor`, *optional*): `[R, Hkv, C, c]` one scale per value vector (quantised formats).
         codec (`ValueCodec`, *optional*): how `data` and `scales` decode; the native format by default.
     """
@@ -53,7 +35,7 @@ class HostValueStore:
     def __init__(
         self,
         data: torch.Tensor,
-        row_map: torch.Tensor,
+        row_map: torch.Tensor | RowMap,
         scales: torch.Tensor | None = None,
         codec: ValueCodec | None = None,
     ):
@@ -62,10 +44,10 @@ class HostValueStore:
             raise ValueError(f"HostValueStore holds host memory; got a tensor on {data.device}")
         if (scales is None) != (codec.scale_dtype is None):
             raise ValueError(f"The {codec.name} value format {'needs' if scales is None else 'has no'} scales.")
-        self.data, self.row_map, self.scales, self.codec = data, row_map, scales, codec
+        self.data, self.scales, self.codec = data, scales, codec
+        self.rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
         self._device_pointer: int | None = None
         self._scales_pointer: int | None = None
-        self._device_row_map: torch.Tensor | None = None
 
     @classmethod
     def offload(cls, values: torch.Tensor, pin: bool, value_format: str = "native") -> HostValueStore:
@@ -94,11 +76,17 @@ class HostValueStore:
 
     @classmethod
     def _adopt(cls, payload: torch.Tensor, scales: torch.Tensor | None, codec: ValueCodec, pin: bool):
-        data = _to_host(payload, pin, "value store")
-        host_scales = _to_host(scales, pin, "value scales") if scales is not None else None
-        store = cls(data, torch.arange(payload.shape[0]), host_scales, codec)
-        if payload.is_cuda:  # made now, so the first decode step does not copy it (a host synchronisation)
-            store._device_row_map = torch.arange(payload.shape[0], device=payload.device)
+        if payload.device.type == "cpu" and not pin:
+            data, host_scales = (
+                payload.contiguous().clone(),
+                scales.contiguous().clone() if scales is not None else None,
+            )
+        else:
+            data = host_copy(payload, pin, "value store")
+            host_scales = host_copy(scales, pin, "value scales") if scales is not None else None
+        # The device copy of the row map is made now, so the first decode step does not copy it (a synchronisation).
+        store = cls(data, RowMap.identity(payload.shape[0], payload.device), host_scales, codec)
+        if payload.is_cuda:
             codec.prepare(payload.device)
         return store
 
@@ -113,23 +101,15 @@ class HostValueStore:
         codec = stores[0].codec
         if any(s.codec.name != codec.name for s in stores):
             raise ValueError(f"Cannot join value stores of formats {sorted({s.codec.name for s in stores})}.")
-        rows = sum(len(s.row_map) for s in stores)
+        rows = sum(len(s.rows) for s in stores)
         chunks = max(s.data.shape[2] for s in stores)
 
         def joined(parts: list[torch.Tensor]) -> torch.Tensor:
             first = parts[0]
             shape = (rows, first.shape[1], chunks, *first.shape[3:])
-            if pin:
-                try:
-                    out = pinned_pool().allocate(shape, first.dtype)
-                except RuntimeError as err:
-                    raise RuntimeError(
-                        f"Could not pin {torch.Size(shape).numel() * first.element_size() / 2**30:.2f} GiB of host "
-                        "memory for the joined ShadowKV value store. Free host memory, lower the batch size, or "
-                        "pass pin_memory=False."
-                    ) from err
-            else:
-                out = torch.empty(shape, dtype=first.dtype)
+            out = (
+                pinned_empty(shape, first.dtype, "joined value store") if pin else torch.empty(shape, dtype=first.dtype)
+            )
             row = 0
             for store, part in zip(stores, parts):
                 held = part.shape[2]
@@ -141,11 +121,8 @@ class HostValueStore:
 
         data = joined([s.data for s in stores])
         scales = joined([s.scales for s in stores]) if stores[0].scales is not None else None
-        store = cls(data, torch.arange(rows), scales, codec)
-        device_maps = [s._device_row_map for s in stores if s._device_row_map is not None]
-        if device_maps:  # made now, as `offload` does, so that the first decode step does not copy it
-            store._device_row_map = torch.arange(rows, device=device_maps[0].device)
-        return store
+        device = next((s.rows.device for s in stores if s.rows.device is not None), None)
+        return cls(data, RowMap.identity(rows, device), scales, codec)
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +133,7 @@ class HostValueStore:
     def device_pointer(self) -> int:
         """The device-visible address of the pinned `data` (for zero-copy kernels; needs cuda-python)."""
         if self._device_pointer is None:
-            from .kernel_loader import host_device_pointer
+            from ..ops.loader import host_device_pointer
 
             self._device_pointer = host_device_pointer(self.data)
         return self._device_pointer
@@ -164,22 +141,23 @@ class HostValueStore:
     def scales_pointer(self) -> int:
         """The device-visible address of the pinned `scales`."""
         if self._scales_pointer is None:
-            from .kernel_loader import host_device_pointer
+            from ..ops.loader import host_device_pointer
 
             self._scales_pointer = host_device_pointer(self.scales)
         return self._scales_pointer
 
+    @property
+    def row_map(self) -> torch.Tensor:
+        """`[B]` int64 on the host: the stored row behind each cache row."""
+        return self.rows.host
+
     def device_row_map(self, device: torch.device) -> torch.Tensor:
         """`row_map` on `device`, copied once."""
-        if self._device_row_map is None or self._device_row_map.device != device:
-            self._device_row_map = self.row_map.to(device)
-        return self._device_row_map
+        return self.rows.on(device)
 
     def select_rows(self, index: torch.Tensor) -> HostValueStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        out = HostValueStore(self.data, self.row_map[index.to("cpu")], self.scales, self.codec)
-        if self._device_row_map is not None:
-            out._device_row_map = self._device_row_map[index.to(self._device_row_map.device)]
+        out = HostValueStore(self.data, self.rows.select(index), self.scales, self.codec)
         out._device_pointer, out._scales_pointer = self._device_pointer, self._scales_pointer
         return out
 

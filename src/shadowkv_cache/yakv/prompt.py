@@ -1,4 +1,4 @@
-"""One layer's prompt in YAKV mode: quantised keys and values on the host, a scoring copy on the device (SPEC §4).
+"""One layer's prompt in YAKV mode: quantised keys and values on the host, a scoring copy on the device (design.md §4).
 
 Legend: B batch, S prompt slots (pads included), Hkv KV heads, D head dim, N quantised tokens (the longest
 row's), W exact recent tokens, E record bytes.
@@ -11,15 +11,16 @@ so pads are never scored nor attended. Keys are stored after RoPE: nothing is re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from .config import ShadowKVConfig
-from .ops.quantize_higgs import quantize_vectors
-from .policies.base import SelectionPolicy
-from .quant import HiggsQuantizer
-from .quantized_store import QuantizedKVStore, pack_records, record_bytes
+from ..config import ShadowKVConfig
+from ..core.rows import local_window, share_rows, stored_once_nbytes, with_rows
+from ..ops.quantize_higgs import quantize_vectors
+from ..policies.base import SelectionPolicy
+from ..quant import HiggsQuantizer
+from ..stores.quantized_store import QuantizedKVStore, pack_records, record_bytes
 
 __all__ = ["QuantizedPrompt", "quantize_prompt"]
 
@@ -43,7 +44,7 @@ class QuantizedPrompt:
     slots: int  # S: prompt length as `generate` counts it, pads included
     max_budget_tokens: int  # K = max over rows of budget_tokens
 
-    _ROW_FIELDS = ("real", "budget_tokens", "local_keys", "local_values", "local_valid")
+    ROW_FIELDS = ("real", "budget_tokens", "local_keys", "local_values", "local_valid")
 
     @property
     def selectable(self) -> torch.Tensor:
@@ -59,20 +60,11 @@ class QuantizedPrompt:
         """Selected tokens per KV head summed over rows: what one sparse step fetches per head."""
         return int(self.budget_host.sum())
 
-    def _with_rows(self, take, index: torch.Tensor) -> QuantizedPrompt:
-        """A copy whose device tensors are `take(tensor)` and whose host parts are rows `index` (`[B']`)."""
-        changes = {name: take(getattr(self, name)) for name in self._ROW_FIELDS}
-        changes["policy_state"] = {k: take(v) for k, v in self.policy_state.items()}
-        index = index.to("cpu")
-        return replace(self, store=self.store.select_rows(index), budget_host=self.budget_host[index], **changes)
-
     def shared(self, batch_size: int) -> QuantizedPrompt:
         """This one-document prompt for `batch_size` rows that share it (stride-0 views, one host copy)."""
         if not self.is_one_document:
             raise ValueError(f"Only a one-document prompt can be shared; this one has {self.real.shape[0]} rows.")
-        return self._with_rows(
-            lambda t: t[:1].expand(batch_size, *t.shape[1:]), torch.zeros(batch_size, dtype=torch.int64)
-        )
+        return self._with_rows(lambda t: share_rows(t, batch_size), torch.zeros(batch_size, dtype=torch.int64))
 
     def select_rows(self, index: torch.Tensor) -> QuantizedPrompt:
         """The same prompt for cache rows `index` (`[B']`); host records are shared, not copied."""
@@ -80,11 +72,15 @@ class QuantizedPrompt:
             return self.shared(len(index))
         return self._with_rows(lambda t: t[index], index)
 
+    def _with_rows(self, take, index: torch.Tensor) -> QuantizedPrompt:
+        """A copy whose device tensors are `take(tensor)` and whose host parts are rows `index` (`[B']`)."""
+        index = index.to("cpu")
+        return with_rows(self, take, "store", index, budget_host=self.budget_host[index])
+
     @property
     def device_nbytes(self) -> int:
         """Bytes held on the device; rows shared through a stride-0 view count once."""
-        tensors = [getattr(self, name) for name in self._ROW_FIELDS] + list(self.policy_state.values())
-        return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
+        return stored_once_nbytes([*(getattr(self, name) for name in self.ROW_FIELDS), *self.policy_state.values()])
 
     @property
     def num_real_tokens(self) -> int:
@@ -118,21 +114,14 @@ def quantize_prompt(
     num = max(s.num_chunks for s in sizes)
     if num == 0:
         return None
-    window = max(s.local for s in sizes)
     device = keys.device
     records = torch.zeros((batch, heads, num, record_bytes(quantizer.num_subvectors)), dtype=torch.uint8, device=device)
     token_keys = keys.new_zeros((batch, heads, num, dim))
     quantised = torch.zeros((batch, num), dtype=torch.bool, device=device)
-    local_keys = keys.new_zeros((batch, heads, window, dim))
-    local_values = values.new_zeros((batch, heads, window, dim))
-    local_valid = torch.zeros((batch, window), dtype=torch.bool, device=device)
+    local_keys, local_values, local_valid = local_window(keys, values, [s.local for s in sizes])
 
     for row, (n, size) in enumerate(zip(n_real, sizes)):
         start, n_tok = slots - n, size.num_chunks
-        if size.local:
-            local_keys[row, :, window - size.local :] = keys[row, :, slots - size.local :]
-            local_values[row, :, window - size.local :] = values[row, :, slots - size.local :]
-            local_valid[row, window - size.local :] = True
         if not n_tok:
             continue
         span = slice(start, start + n_tok)

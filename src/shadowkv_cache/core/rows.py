@@ -1,0 +1,52 @@
+"""Row operations both modes' prompts share: the exact local window of each row, rows shared by one document, and
+the device bytes of tensors whose rows may be stride-0 views.
+
+Legend: B batch, Hkv KV heads, S prompt slots (pads included), W local-window tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["local_window", "share_rows", "stored_once_nbytes", "with_rows"]
+
+
+def local_window(
+    keys: torch.Tensor, values: torch.Tensor, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's last `lengths[row]` tokens of `keys`/`values` (`[B, Hkv, S, D]`), right-aligned in a window of the
+    longest: keys and values `[B, Hkv, W, D]` (zeros in padded slots) and validity `[B, W]`."""
+    batch, heads, slots, dim = keys.shape
+    window = max(lengths, default=0)
+    local_keys = keys.new_zeros((batch, heads, window, dim))
+    local_values = values.new_zeros((batch, heads, window, values.shape[-1]))
+    local_valid = torch.zeros((batch, window), dtype=torch.bool, device=keys.device)
+    for row, n in enumerate(lengths):
+        if n:
+            local_keys[row, :, window - n :] = keys[row, :, slots - n :]
+            local_values[row, :, window - n :] = values[row, :, slots - n :]
+            local_valid[row, window - n :] = True
+    return local_keys, local_values, local_valid
+
+
+def share_rows(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Row 0 of `tensor` as `batch_size` rows that share it: a stride-0 `expand` view, nothing copied."""
+    return tensor[:1].expand(batch_size, *tensor.shape[1:])
+
+
+def stored_once_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes `tensors` hold on their device, counting rows shared through a stride-0 view once."""
+    return sum((t[:1] if t.stride(0) == 0 else t).numel() * t.element_size() for t in tensors)
+
+
+def with_rows(prompt, take: Callable[[torch.Tensor], torch.Tensor], store_field: str, host_index: torch.Tensor, **more):
+    """A copy of the dataclass `prompt` whose per-row device tensors (`prompt.ROW_FIELDS` and `prompt.policy_state`)
+    are `take(tensor)`, whose host store (field `store_field`) serves cache rows `host_index`, and with `more`
+    changes."""
+    changes = {name: take(getattr(prompt, name)) for name in prompt.ROW_FIELDS}
+    changes["policy_state"] = {k: take(v) for k, v in prompt.policy_state.items()}
+    changes[store_field] = getattr(prompt, store_field).select_rows(host_index)
+    return dataclasses.replace(prompt, **changes, **more)

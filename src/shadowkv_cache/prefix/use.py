@@ -1,0 +1,78 @@
+"""Checks and helpers for using a prefix: the ids `generate` gets must start with the saved document.
+
+Legend: S prefix tokens, N questions, Q question tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import PrefixCacheError
+from .identity import token_ids_sha256
+
+__all__ = ["as_prefix_ids", "batch_questions", "check_prefix_ids"]
+
+
+def as_prefix_ids(input_ids) -> torch.Tensor:
+    """`[S]` int64 CPU ids from a `[S]` or `[1, S]` tensor or list; one document only."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise PrefixCacheError(
+            f"A prefix is one document: pass its token ids as [S] or [1, S] integers, got shape {tuple(ids.shape)}."
+        )
+    return ids.to("cpu", torch.int64)
+
+
+def check_prefix_ids(prefix_ids: torch.Tensor, input_ids: torch.Tensor, rows: int) -> None:
+    """Raise unless every row of `input_ids` (`[B, T]`, what `generate` got) starts with the prefix (`[S]`)
+    and goes on past it, and `B` is the cache's row count."""
+    length = len(prefix_ids)
+    batch, width = input_ids.shape[:2]
+    if batch != rows:
+        raise PrefixCacheError(
+            f"generate got a batch of {batch} but the prefix cache has {rows} row(s); make one with "
+            f"cache.fork(batch_size={batch}) (rows share the document)."
+        )
+    if width <= length:
+        raise PrefixCacheError(
+            f"generate got {width} tokens but the cache already holds the {length}-token prefix: pass the prefix "
+            "ids followed by the question, torch.cat([cache.prefix_ids, question_ids]) (chunked prefill, "
+            "prefill_chunk_size, is not supported on a prefix cache)."
+        )
+    head = input_ids[:, :length].to("cpu")
+    differs = head != prefix_ids[None]
+    if bool(differs.any()):
+        row, col = (int(x) for x in differs.nonzero()[0])
+        raise PrefixCacheError(
+            f"The ids passed to generate do not start with the {length}-token prefix this cache holds (sha256 "
+            f"{token_ids_sha256(prefix_ids)[:12]}...): row {row} differs first at token {col} "
+            f"({int(head[row, col])} instead of {int(prefix_ids[col])}). Pass the document ids, then the question; "
+            "in a batch, [document][left-padded question] (see shadowkv_cache.prefix.batch_questions)."
+        )
+
+
+def batch_questions(prefix_ids, questions, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids` and `attention_mask` (`[N, S + max Q]`) that ask N questions over one prefix in one batch.
+
+    Rows are `[document][left-padded question]`, the layout a `cache.fork(batch_size=N)` expects: the pads sit
+    between the document and the question and are masked. `generate` derives positions from the mask's
+    cumulative sum, so a question's tokens get the positions they get alone (`S, S+1, ...`).
+
+    >>> ids, mask = batch_questions(doc.prefix_ids, [q1, q2], tokenizer.pad_token_id)  # doctest: +SKIP
+    >>> model.generate(ids, attention_mask=mask, past_key_values=doc.fork(2), max_new_tokens=32)  # doctest: +SKIP
+    """
+    prefix = as_prefix_ids(prefix_ids)
+    rows = [as_prefix_ids(q) for q in questions]
+    if not rows:
+        raise PrefixCacheError("batch_questions needs at least one question.")
+    width = max(len(q) for q in rows)
+    ids = torch.full((len(rows), len(prefix) + width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    ids[:, : len(prefix)] = prefix
+    mask[:, : len(prefix)] = 1
+    for i, q in enumerate(rows):
+        ids[i, ids.shape[1] - len(q) :] = q
+        mask[i, ids.shape[1] - len(q) :] = 1
+    return ids, mask
