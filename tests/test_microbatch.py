@@ -60,7 +60,7 @@ def assert_same_state(cache: ShadowKVCache, ref: ShadowKVCache) -> None:
             continue
         got, want = layer.prompt, expected.prompt
         assert (got.slots, got.max_budget_chunks) == (want.slots, want.max_budget_chunks)
-        for name in CompressedPrompt._ROW_FIELDS:
+        for name in CompressedPrompt.ROW_FIELDS:
             a, b = getattr(got, name), getattr(want, name)
             assert a.shape == b.shape, name
             if a.dtype == torch.bool or not a.is_floating_point():
@@ -184,12 +184,12 @@ def test_only_compressed_rows_stay_between_micro_batches(monkeypatch):
 def test_value_stores_join_into_reused_pinned_memory(monkeypatch):
     """Stores of different chunk counts join row by row (reordered rows too); padding chunks are zero even in a
     reused pool block that held other data (a fake pin: the pool's bookkeeping, no CUDA)."""
-    from shadowkv_cache.stores import value_store
+    from shadowkv_cache.stores import pinned_pool
     from shadowkv_cache.stores.pinned_pool import PinnedPool
     from shadowkv_cache.stores.value_store import HostValueStore
 
     pool = PinnedPool(register=lambda t: None, unregister=lambda t: None)
-    monkeypatch.setattr(value_store, "pinned_pool", lambda: pool)
+    monkeypatch.setattr(pinned_pool, "pinned_pool", lambda: pool)
     gen = torch.Generator().manual_seed(0)
     first = HostValueStore(torch.randn((2, 2, 5, 4, 3), generator=gen), torch.arange(2))
     second = HostValueStore(torch.randn((2, 2, 3, 4, 3), generator=gen), torch.tensor([1, 1, 0]))  # repeated rows

@@ -321,7 +321,7 @@ TAMPERINGS = {
     "prefix length": (lambda m: m.update(prefix_length=DOC + 8), None, "tensor token_ids is"),
     "token hash": (lambda m: m.update(token_ids_sha256="0" * 64), None, "do not match their hash"),
     "config hash": (lambda m: m["model"].update(config_sha256="0" * 64), None, "does not match its hash"),
-    "config": (lambda m: m["shadowkv_config"].update(rank=16), None, r"layers.0.a is \[1, 224, 8\]"),
+    "config": (lambda m: m["shadowkv_config"].update(rank=16), None, r"ranks \[8, 8\] do not fit .* rank 16"),
     "no metadata": (lambda m: m.clear(), None, "not a shadowkv_cache prefix"),
     "tensor shape": (None, lambda t: t.update({"layers.1.a": t["layers.1.a"][:, :-8]}), "layers.1.a is"),
     "tensor dtype": (None, lambda t: t.update({"layers.0.b": t["layers.0.b"].double()}), "F64, expected"),

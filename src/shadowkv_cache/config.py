@@ -8,13 +8,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-__all__ = ["ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
+__all__ = ["RANK_RULES", "ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
 
 # How the host value store encodes values (stores/value_codecs.py): the KV dtype unchanged, fp8, ~4-bit HIGGS.
 VALUE_FORMATS = ("native", "fp8", "higgs4")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale.
-_RANK_SHARE = 0.15625  # 160 / 1024
+# rank="auto": per layer (and row), the smallest rank whose factors keep this share of the pre-RoPE key energy (the
+# sum of the eigenvalues of KᵀK), clamped to [floor, ceiling] shares of Hkv*D. Calibrated on natural text and the
+# accuracy tasks (benchmarks/defaults.py; docs/design.md §2).
+_AUTO_ENERGY = 0.99
+_AUTO_FLOOR_SHARE = 0.125
+_AUTO_CEILING_SHARE = 0.75
+RANK_RULES = ("auto",)
 _BUDGET_SHARE = 0.015625  # 2048 / 131072
 _BUDGET_FLOOR = 256
 _OUTLIER_SHARE = 0.003  # ~48 chunks of 16384
@@ -37,10 +43,11 @@ class ShadowKVConfig:
     means the paper's setting scaled to the model and prompt.
 
     Args:
-        rank (`int` or `float`, *optional*):
-            Rank of the joint low-rank factorisation of the pre-RoPE keys. An int is absolute and must be
-            `<= Hkv*D`; a float in (0, 1] is that share of `Hkv*D`. Defaults to `ceil(0.15625*Hkv*D/8)*8`
-            (160 for Llama-3.1-8B, 32 for SmolLM2), capped at the number of compressed tokens.
+        rank (`str`, `int` or `float`, *optional*, defaults to `"auto"`):
+            Rank of the joint low-rank factorisation of the pre-RoPE keys. `"auto"` (or `None`): per layer, the
+            smallest rank whose factors keep 99% of the keys' energy (the eigenvalues of KᵀK), clamped to
+            [12.5%, 75%] of `Hkv*D`; the rank each layer chose is in `memory_report()`. An int is absolute and must
+            be `<= Hkv*D`; a float in (0, 1] is that share of `Hkv*D`. Capped at the number of compressed tokens.
         chunk_size (`int`, *optional*, defaults to 8):
             Tokens per chunk; one landmark (mean post-RoPE key) per chunk.
         sparse_budget (`int` or `float`, *optional*):
@@ -88,7 +95,7 @@ class ShadowKVConfig:
     8
     """
 
-    rank: int | float | None = None
+    rank: int | float | str | None = "auto"
     chunk_size: int = 8
     sparse_budget: int | float | None = None
     outlier_chunks: int | float | None = None
@@ -127,22 +134,22 @@ class ShadowKVConfig:
             or self.min_compress_len < 1
         ):
             raise bad("min_compress_len", self.min_compress_len, "use a positive int (default 4096).")
-        if self.rank is not None:
-            if not _is_number(self.rank) or self.rank <= 0:
-                raise bad("rank", self.rank, "use a positive int, a float in (0, 1], or None for the default.")
+        if self.rank is not None and self.rank not in RANK_RULES:
+            if not _is_number(self.rank) or not 0 < self.rank < math.inf:
+                raise bad("rank", self.rank, "use 'auto' (the default), a positive int or a float in (0, 1].")
             if isinstance(self.rank, float) and self.rank > 1:
                 raise bad("rank", self.rank, "a float rank is a share of Hkv*D and must be in (0, 1].")
             if isinstance(self.rank, int) and key_dim is not None and self.rank > key_dim:
                 raise bad("rank", self.rank, f"it must be <= Hkv*D = {key_dim} for this model.")
         if self.sparse_budget is not None:
-            if not _is_number(self.sparse_budget) or self.sparse_budget <= 0:
+            if not _is_number(self.sparse_budget) or not 0 < self.sparse_budget < math.inf:
                 raise bad(
                     "sparse_budget", self.sparse_budget, "use a positive int (tokens), a float in (0, 1), or None."
                 )
             if isinstance(self.sparse_budget, float) and self.sparse_budget >= 1:
                 raise bad("sparse_budget", self.sparse_budget, "a float budget is a share of the prompt, in (0, 1).")
         if self.outlier_chunks is not None:
-            if not _is_number(self.outlier_chunks) or self.outlier_chunks < 0:
+            if not _is_number(self.outlier_chunks) or not 0 <= self.outlier_chunks < math.inf:
                 raise bad("outlier_chunks", self.outlier_chunks, "use an int >= 0, a float in [0, 1), or None.")
             if isinstance(self.outlier_chunks, float) and self.outlier_chunks >= 1:
                 raise bad("outlier_chunks", self.outlier_chunks, "a float is a share of the chunks, in [0, 1).")
@@ -157,14 +164,17 @@ class ShadowKVConfig:
         if self.mode not in MODES:
             raise bad("mode", self.mode, f"use one of {MODES}.")
         for name in ("host_grid_dim", "score_grid_dim"):
-            if getattr(self, name) not in _GRID_DIMS or isinstance(getattr(self, name), bool):
+            if type(getattr(self, name)) is not int or getattr(self, name) not in _GRID_DIMS:
                 raise bad(name, getattr(self, name), f"use one of {_GRID_DIMS} (~4 / 2 / 1 bits per value).")
         if not isinstance(self.recent_window, int) or isinstance(self.recent_window, bool) or self.recent_window < 0:
             raise bad("recent_window", self.recent_window, "use an int >= 0 (the YAKV study uses 64).")
         if self.mode == "yakv":
-            for name in ("rank", "outlier_chunks"):
-                if getattr(self, name) is not None:
-                    raise bad(name, getattr(self, name), "YAKV mode has no low-rank keys or outliers; leave it None.")
+            if self.rank not in (None, *RANK_RULES):
+                raise bad("rank", self.rank, "YAKV mode has no low-rank keys; leave it at its default.")
+            if self.outlier_chunks is not None:
+                raise bad(
+                    "outlier_chunks", self.outlier_chunks, "YAKV mode has no low-rank keys or outliers; leave it None."
+                )
             if head_dim is not None:
                 for name in ("host_grid_dim", "score_grid_dim"):
                     if head_dim & (head_dim - 1) or head_dim % getattr(self, name):
@@ -199,13 +209,16 @@ class ShadowKVConfig:
         local = num_tokens - num_chunks * c
         compressed = num_chunks * c
 
-        if self.rank is None:
-            rank = math.ceil(_RANK_SHARE * key_dim / 8) * 8
+        energy = None
+        if self.rank is None or self.rank in RANK_RULES:
+            energy = _AUTO_ENERGY
+            floor, rank = math.ceil(_AUTO_FLOOR_SHARE * key_dim), math.ceil(_AUTO_CEILING_SHARE * key_dim)
         elif isinstance(self.rank, float):
             rank = max(1, math.ceil(self.rank * key_dim))
         else:
             rank = self.rank
         rank = min(rank, key_dim, compressed)
+        floor = min(floor, rank) if energy is not None else rank
 
         if self.outlier_chunks is None:
             outliers = max(_OUTLIER_FLOOR, math.ceil(_OUTLIER_SHARE * num_tokens / c))
@@ -222,15 +235,21 @@ class ShadowKVConfig:
         else:
             budget = self.sparse_budget
         budget_chunks = min(math.ceil(budget / c), num_chunks - outliers)
-        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local)
+        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, energy)
 
 
 @dataclass(frozen=True)
 class ResolvedSizes:
-    """What `ShadowKVConfig.resolve` decided for one row: chunks, rank, selected chunks, outliers, local tokens."""
+    """What `ShadowKVConfig.resolve` decided for one row: chunks, rank, selected chunks, outliers, local tokens.
+
+    `rank` is the rank of the key factors, or, when `energy` is set (`rank="auto"`), the largest rank allowed: the
+    factorisation then keeps the smallest rank in `[min_rank, rank]` whose factors hold `energy` of the keys' energy.
+    """
 
     num_chunks: int
     rank: int
     budget_chunks: int
     outliers: int
     local: int
+    min_rank: int = 0
+    energy: float | None = None

@@ -9,11 +9,25 @@ __all__ = ["LayerMemory", "MemoryReport"]
 
 @dataclass(frozen=True)
 class LayerMemory:
+    """One layer: how it holds its tokens and what that costs.
+
+    `mode` is `"shadowkv"` or `"yakv"` for a compressed layer, `"exact"` for a full-attention layer that holds its
+    tokens exactly (a prompt shorter than `min_compress_len`, or nothing yet), `"sliding"` for a sliding-window layer.
+    `rank` is the rank of the key factors (ShadowKV; with `rank="auto"` the largest rank any row chose) and
+    `budget_tokens` the tokens selected per KV head and step (the largest over rows); None where they do not apply.
+    """
+
     layer: int
-    compressed: bool
+    mode: str
     gpu_bytes: int  # on the model's device (the accelerator when there is one)
     host_bytes: int
     dynamic_cache_bytes: int  # full K/V of the same tokens
+    rank: int | None = None
+    budget_tokens: int | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.mode in ("shadowkv", "yakv")
 
 
 @dataclass(frozen=True)
@@ -41,16 +55,20 @@ class MemoryReport:
 
     def __str__(self) -> str:
         mib = 2**20
-        lines = [f"{'layer':>5} {'mode':>10} {'device MiB':>11} {'host MiB':>9} {'DynamicCache MiB':>17}"]
+        lines = [
+            f"{'layer':>5} {'mode':>9} {'rank':>5} {'budget':>7} {'device MiB':>11} {'host MiB':>9} "
+            f"{'DynamicCache MiB':>17}"
+        ]
         for m in self.layers:
-            mode = "shadowkv" if m.compressed else "exact"
+            rank = "" if m.rank is None else m.rank
+            budget = "" if m.budget_tokens is None else m.budget_tokens
             lines.append(
-                f"{m.layer:>5} {mode:>10} {m.gpu_bytes / mib:>11.2f} {m.host_bytes / mib:>9.2f} "
+                f"{m.layer:>5} {m.mode:>9} {rank:>5} {budget:>7} {m.gpu_bytes / mib:>11.2f} {m.host_bytes / mib:>9.2f} "
                 f"{m.dynamic_cache_bytes / mib:>17.2f}"
             )
         hit = "n/a" if self.hit_rate is None else f"{self.hit_rate:.1%}"
         lines.append(
-            f"{'total':>5} {'':>10} {self.gpu_bytes / mib:>11.2f} {self.host_bytes / mib:>9.2f} "
+            f"{'total':>5} {'':>9} {'':>5} {'':>7} {self.gpu_bytes / mib:>11.2f} {self.host_bytes / mib:>9.2f} "
             f"{self.dynamic_cache_bytes / mib:>17.2f}"
         )
         lines.append(f"device bytes / DynamicCache bytes = {self.ratio:.3f}; temporal-cache hit rate = {hit}")

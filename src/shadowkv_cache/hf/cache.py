@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -70,12 +71,22 @@ class ShadowKVCache(Cache):
         **overrides,
     ):
         # Everything is checked before the model is touched.
-        unknown = sorted(set(overrides) - set(ShadowKVConfig.field_names()))
+        given = set(overrides) | (set(config) if isinstance(config, Mapping) else set())
+        unknown = sorted(given - set(ShadowKVConfig.field_names()))
         if unknown:
             raise TypeError(
                 f"Unknown ShadowKVCache option(s) {unknown}; valid options: {ShadowKVConfig.field_names()}."
             )
-        config = dataclasses.replace(config or ShadowKVConfig(), **overrides)
+        if isinstance(config, Mapping):
+            config = ShadowKVConfig(**{**config, **overrides})
+        elif config is None or isinstance(config, ShadowKVConfig):
+            config = dataclasses.replace(config or ShadowKVConfig(), **overrides)
+        else:
+            raise TypeError(
+                f"config must be a ShadowKVConfig (the cache's own settings), got {type(config).__name__}; the model's "
+                "config is read from the model. Pass ShadowKVConfig(...), a dict of its fields, or keyword options "
+                "such as sparse_budget=1024."
+            )
         check_supported(model)
         text_config = model.config.get_text_config()
         head_dim = getattr(text_config, "head_dim", None) or (
@@ -295,7 +306,12 @@ class ShadowKVCache(Cache):
         per_layer, hits, lookups = [], 0, 0
         for i, layer in enumerate(self.layers):
             device, host, full = layer.nbytes()
-            per_layer.append(LayerMemory(i, layer.is_compressed, device, host, full))
+            if isinstance(layer, CompressedLayer):
+                mode = layer.mode.name if layer.is_compressed else "exact"
+                rank, budget = layer.mode.sizes() if layer.is_compressed else (None, None)
+            else:
+                mode, rank, budget = "sliding", None, None
+            per_layer.append(LayerMemory(i, mode, device, host, full, rank, budget))
             counts = layer.hit_counts() if isinstance(layer, CompressedLayer) else None
             if counts is not None:
                 hits, lookups = hits + counts[0], lookups + counts[1]

@@ -3,7 +3,7 @@
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
 tokens, R rank, O outlier chunks, W local-window tokens.
 
-A prefix file (format version 1, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
+A prefix file (format version 2, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
 keeps of a document: the `CompressedPrompt` tensors (low-rank factors, positions, policy state such as the
 landmarks, outliers, local window, host values), or the exact keys/values of a document shorter than
 `min_compress_len`; plus the token ids. Its safetensors metadata holds one JSON object (key
@@ -33,14 +33,13 @@ from .errors import PrefixCacheError
 from .identity import kv_dtype_and_devices, model_dims, model_identity, token_ids_sha256
 from .layout import check_specs, expected_tensors, layer_tensors
 
-__all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "MODE_FIELDS", "write_prefix"]
+__all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "write_prefix"]
 
 FORMAT_NAME = "shadowkv-prefix"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-layer ranks (rank='auto'); every config field present
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
-MODE_FIELDS = ("mode", "host_grid_dim", "score_grid_dim", "recent_window")
 
 
 def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, token_ids: torch.Tensor, layers):
@@ -63,7 +62,8 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
     tensors = {k: v[:1].contiguous() if k != "token_ids" else v.contiguous() for k, v in tensors.items()}
     policy_state = layers[0][0].policy_state if layers and layers[0][0] is not None else {}
     policy_specs = {name: (tuple(t[:1].shape), t.dtype) for name, t in policy_state.items()}
-    expected = expected_tensors(dims, config, length, dtype, policy_specs)
+    ranks = [prompt.a.shape[-1] if prompt is not None else 0 for prompt, _, _ in layers]
+    expected = expected_tensors(dims, config, length, dtype, policy_specs, ranks)
     check_specs({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, expected, "this cache")
     meta = {
         "format": FORMAT_NAME,
@@ -81,6 +81,7 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
         "kv_dtype": str(dtype).removeprefix("torch."),
         "value_codec": value_codec(config.value_format, dims[2]).identity(),
         "layers": ["compressed" if p is not None else "exact" for p, _, _ in layers],
+        "ranks": ranks,
     }
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     path.parent.mkdir(parents=True, exist_ok=True)

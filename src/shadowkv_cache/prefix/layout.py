@@ -28,8 +28,11 @@ DTYPES_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in ST_DTYPES}
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one stored tensor
 
 
-def expected_tensors(dims, config: ShadowKVConfig, length: int, dtype, policy_specs: dict[str, Spec]):
-    """`{name: (shape, dtype)}` of every tensor a file for this model, config and prefix length must hold."""
+def expected_tensors(
+    dims, config: ShadowKVConfig, length: int, dtype, policy_specs: dict[str, Spec], ranks: list[int]
+) -> dict[str, Spec]:
+    """`{name: (shape, dtype)}` of every tensor a file for this model, config and prefix length must hold, with the
+    key factors of layer `i` of rank `ranks[i]`."""
     num_layers, heads, dim = dims
     sizes = config.resolve(length, heads * dim)
     specs: dict[str, Spec] = {"token_ids": ((length,), torch.int64)}
@@ -38,7 +41,7 @@ def expected_tensors(dims, config: ShadowKVConfig, length: int, dtype, policy_sp
         if not sizes.num_chunks:  # a short document stays exact
             specs[p + "keys"] = specs[p + "values"] = ((1, heads, length, dim), dtype)
             continue
-        c, chunks, rank = config.chunk_size, sizes.num_chunks, sizes.rank
+        c, chunks, rank = config.chunk_size, sizes.num_chunks, ranks[i]
         out, local = sizes.outliers * c, sizes.local
         codec = value_codec(config.value_format, dim)
         specs |= {

@@ -20,8 +20,8 @@ from ..policies.base import SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
 from ..stores.value_codecs import value_codec
 from ..stores.value_store import HostValueStore
-from .errors import PrefixCacheError
-from .format import DECODE_TIME_FIELDS, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, MODE_FIELDS
+from .errors import PrefixCacheError, PrefixOptionError
+from .format import DECODE_TIME_FIELDS, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY
 from .identity import canonical_json, kv_dtype_and_devices, model_dims, model_identity, token_ids_sha256
 from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, expected_tensors
 
@@ -72,7 +72,7 @@ def _read_header(path: Path) -> tuple[dict, dict[str, Spec]]:
         raise PrefixCacheError(f"{path} is a safetensors file but not a shadowkv_cache prefix (no '{METADATA_KEY}').")
     try:
         meta = json.loads(metadata[METADATA_KEY])
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # a header nested deep enough exhausts the parser's recursion
         raise PrefixCacheError(f"{path}: the prefix metadata is not valid JSON (damaged header): {err}") from err
     if not isinstance(meta, dict):
         raise PrefixCacheError(f"{path}: the prefix metadata is not a JSON object (damaged header).")
@@ -111,11 +111,6 @@ def _check_config(
 ) -> tuple[ShadowKVConfig, ShadowKVConfig]:
     """(the config the file was made with, the config asked for), after checking they shaped the same state."""
     fields = _field(meta, "shadowkv_config", dict, path)
-    fields = {"value_format": "native", **fields}  # files written before value formats hold native values
-    # Files written before the YAKV fields (or a decode-time switch) existed are ShadowKV-mode files: those fields
-    # take their defaults.
-    defaults = dataclasses.asdict(ShadowKVConfig())
-    fields = {**{k: defaults[k] for k in (*MODE_FIELDS, *DECODE_TIME_FIELDS) if k not in fields}, **fields}
     if sorted(fields) != sorted(ShadowKVConfig.field_names()):
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata has fields {sorted(fields)} (damaged?).")
     try:
@@ -124,8 +119,15 @@ def _check_config(
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata is invalid (damaged?): {err}") from err
     unknown = sorted(set(overrides) - set(ShadowKVConfig.field_names()))
     if unknown:
-        raise TypeError(f"Unknown ShadowKVCache option(s) {unknown}; valid options: {ShadowKVConfig.field_names()}.")
-    wanted = dataclasses.replace(config or saved, **overrides)
+        raise PrefixOptionError(
+            f"Unknown ShadowKVCache option(s) {unknown}; valid options: {ShadowKVConfig.field_names()}."
+        )
+    if config is not None and not isinstance(config, ShadowKVConfig):
+        raise PrefixOptionError(f"config must be a ShadowKVConfig, got {type(config).__name__}; or pass options.")
+    try:
+        wanted = dataclasses.replace(config or saved, **overrides)
+    except ValueError as err:
+        raise PrefixCacheError(f"load_prefix got an invalid option: {err}") from err
     shaped = {k: v for k, v in dataclasses.asdict(saved).items() if k not in DECODE_TIME_FIELDS}
     asked = {k: v for k, v in dataclasses.asdict(wanted).items() if k not in DECODE_TIME_FIELDS}
     if shaped != asked:
@@ -181,9 +183,10 @@ def read_prefix(
         raise PrefixCacheError(f"{path}: not a shadowkv_cache prefix (format {meta.get('format')!r}).")
     version = _field(meta, "version", int, path)
     if version != FORMAT_VERSION:
+        older = " (version 1 predates per-layer ranks, rank='auto')" if version < FORMAT_VERSION else ""
         raise PrefixCacheError(
-            f"{path} uses prefix format version {version}; this shadowkv_cache reads version {FORMAT_VERSION}. "
-            "Prefill the document again with this version (or use the version that wrote it)."
+            f"{path} uses prefix format version {version}{older}; this shadowkv_cache reads version "
+            f"{FORMAT_VERSION}. Prefill the document again with this version (or use the version that wrote it)."
         )
     dtype = _check_model(meta, model, path)
     saved_config, config = _check_config(meta, config, overrides, path)
@@ -193,7 +196,8 @@ def read_prefix(
     sizes = saved_config.resolve(length, dims[1] * dims[2])
     if length < 1 or kinds != ["compressed" if sizes.num_chunks else "exact"] * dims[0]:
         raise PrefixCacheError(f"{path}: prefix length {length} and layer kinds {kinds[:3]}... do not fit (damaged?).")
-    expected = expected_tensors(dims, config, length, dtype, _policy_specs(meta, policy, path))
+    ranks = _ranks(meta, sizes, dims[0], path)
+    expected = expected_tensors(dims, config, length, dtype, _policy_specs(meta, policy, path), ranks)
     check_specs(found, expected, str(path))
     _check_value_codec(meta, value_codec(config.value_format, dims[2]), path)
 
@@ -210,6 +214,28 @@ def read_prefix(
     except Exception as err:  # a data region the header promised but the file lacks, an unreadable page
         raise PrefixCacheError(f"{path}: could not read the tensors (truncated or damaged?): {err}") from err
     return PrefixState(config, policy, token_ids, layers)
+
+
+def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
+    """Each layer's rank of the key factors (0 for an exact layer), checked against the rule that chose it."""
+    ranks = _field(meta, "ranks", list, path)
+    if sizes.num_chunks:
+        low = sizes.min_rank if sizes.energy is not None else sizes.rank
+        fits = all(type(r) is int and low <= r <= sizes.rank for r in ranks)
+    else:
+        fits = all(type(r) is int and r == 0 for r in ranks)
+    if len(ranks) != num_layers or not fits:
+        if not sizes.num_chunks:
+            wanted = "0 (exact layers)"
+        elif sizes.energy is None:
+            wanted = str(sizes.rank)
+        else:
+            wanted = f"{sizes.min_rank}..{sizes.rank}"
+        raise PrefixCacheError(
+            f"{path}: the file's per-layer ranks {ranks[:6]} do not fit the config it was saved with ({num_layers} "
+            f"layers of rank {wanted}); the file is damaged."
+        )
+    return ranks
 
 
 def _read_layer(f, i: int, device: torch.device, config: ShadowKVConfig, sizes, budget: int, path: Path):

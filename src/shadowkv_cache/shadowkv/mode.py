@@ -141,6 +141,10 @@ class ShadowKVMode:
             return None
         return int(self.temporal.hits), int(self.temporal.lookups)
 
+    def sizes(self) -> tuple[int, int]:
+        """(rank of the key factors, tokens selected per KV head and step), the largest over rows."""
+        return self.prompt.a.shape[-1], self.prompt.max_budget_chunks * self.prompt.chunk_size
+
     def nbytes(self) -> tuple[int, int]:
         """(device bytes, host bytes) of the prompt and the temporal cache."""
         temporal = self.temporal.nbytes if self.temporal is not None else 0

@@ -207,10 +207,18 @@ def compress_prompt(
     num_chunks = max(s.num_chunks for s in sizes)
     if num_chunks == 0:
         return None
-    rank = max(s.rank for s in sizes)
     num_outliers = max(s.outliers for s in sizes)
     dtype, device = keys.dtype, keys.device
 
+    # One factorisation per row across heads, [Tc, Hkv*D] (the paper's joint SVD); with rank="auto" each row's rank
+    # comes from its keys' spectrum, so the factors are made before the batch's tensors are sized.
+    factors = [None] * batch
+    for row, (n, size) in enumerate(zip(n_real, sizes)):
+        if size.num_chunks:
+            span = slice(slots - n, slots - n + size.num_chunks * c)
+            row_keys = keys_pre[row, :, span].transpose(0, 1).reshape(size.num_chunks * c, heads * dim)
+            factors[row] = factorize_keys(row_keys, size.rank, size.energy, size.min_rank)
+    rank = max(f[0].shape[1] for f in factors if f is not None)
     a = keys.new_zeros((batch, num_chunks * c, rank))
     b = keys.new_zeros((batch, rank, heads, dim))
     chunk_pos = torch.zeros((batch, num_chunks * c), dtype=torch.int64, device=device)
@@ -227,10 +235,9 @@ def compress_prompt(
         if not size.num_chunks:
             continue
         span = slice(start, start + n_tok)
-        # One factorisation across heads: [Tc, Hkv*D] (the paper's joint SVD).
-        left, right = factorize_keys(keys_pre[row, :, span].transpose(0, 1).reshape(n_tok, heads * dim), size.rank)
-        a[row, :n_tok, : size.rank] = left.to(dtype)
-        b[row, : size.rank] = right.view(size.rank, heads, dim).to(dtype)
+        left, right = factors[row]
+        a[row, :n_tok, : left.shape[1]] = left.to(dtype)
+        b[row, : left.shape[1]] = right.view(-1, heads, dim).to(dtype)
         chunk_pos[row, :n_tok] = positions[row, span]
         chunk_keys[row, :, : size.num_chunks] = keys[row, :, span].view(heads, size.num_chunks, c, dim)
         chunk_values[row, :, : size.num_chunks] = values[row, :, span].view(heads, size.num_chunks, c, dim)

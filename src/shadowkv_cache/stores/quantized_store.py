@@ -67,7 +67,7 @@ class QuantizedKVStore:
                 f"on {data.device}"
             )
         self.data = data
-        self.rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
+        self.stored_rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
         self._device_pointer: int | None = None
 
     @classmethod
@@ -96,15 +96,15 @@ class QuantizedKVStore:
     @property
     def row_map(self) -> torch.Tensor:
         """`[B]` int64 on the host: the stored row behind each cache row."""
-        return self.rows.host
+        return self.stored_rows.host
 
     def device_row_map(self, device: torch.device) -> torch.Tensor:
         """`row_map` on `device`, copied once."""
-        return self.rows.on(device)
+        return self.stored_rows.on(device)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedKVStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        out = QuantizedKVStore(self.data, self.rows.select(index))
+        out = QuantizedKVStore(self.data, self.stored_rows.select(index))
         out._device_pointer = self._device_pointer
         return out
 

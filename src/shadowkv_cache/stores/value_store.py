@@ -45,7 +45,7 @@ class HostValueStore:
         if (scales is None) != (codec.scale_dtype is None):
             raise ValueError(f"The {codec.name} value format {'needs' if scales is None else 'has no'} scales.")
         self.data, self.scales, self.codec = data, scales, codec
-        self.rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
+        self.stored_rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
         self._device_pointer: int | None = None
         self._scales_pointer: int | None = None
 
@@ -101,7 +101,7 @@ class HostValueStore:
         codec = stores[0].codec
         if any(s.codec.name != codec.name for s in stores):
             raise ValueError(f"Cannot join value stores of formats {sorted({s.codec.name for s in stores})}.")
-        rows = sum(len(s.rows) for s in stores)
+        rows = sum(len(s.stored_rows) for s in stores)
         chunks = max(s.data.shape[2] for s in stores)
 
         def joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -121,7 +121,7 @@ class HostValueStore:
 
         data = joined([s.data for s in stores])
         scales = joined([s.scales for s in stores]) if stores[0].scales is not None else None
-        device = next((s.rows.device for s in stores if s.rows.device is not None), None)
+        device = next((s.stored_rows.device for s in stores if s.stored_rows.device is not None), None)
         return cls(data, RowMap.identity(rows, device), scales, codec)
 
     @property
@@ -149,15 +149,15 @@ class HostValueStore:
     @property
     def row_map(self) -> torch.Tensor:
         """`[B]` int64 on the host: the stored row behind each cache row."""
-        return self.rows.host
+        return self.stored_rows.host
 
     def device_row_map(self, device: torch.device) -> torch.Tensor:
         """`row_map` on `device`, copied once."""
-        return self.rows.on(device)
+        return self.stored_rows.on(device)
 
     def select_rows(self, index: torch.Tensor) -> HostValueStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
-        out = HostValueStore(self.data, self.rows.select(index), self.scales, self.codec)
+        out = HostValueStore(self.data, self.stored_rows.select(index), self.scales, self.codec)
         out._device_pointer, out._scales_pointer = self._device_pointer, self._scales_pointer
         return out
 

@@ -140,6 +140,10 @@ class YakvMode:
         """YAKV has no temporal cache: every selected token is fetched."""
         return None
 
+    def sizes(self) -> tuple[None, int]:
+        """(None: keys are quantised, not factorised; tokens selected per KV head and step, the largest over rows)."""
+        return None, self.prompt.max_budget_tokens
+
     def nbytes(self) -> tuple[int, int]:
         """(device bytes, host bytes) of the prompt."""
         return self.prompt.device_nbytes, self.prompt.store.nbytes
