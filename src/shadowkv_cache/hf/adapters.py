@@ -1,24 +1,33 @@
-"""Model adapters: where each architecture keeps RoPE, and the reversible hooks that feed the cache.
+"""Model adapters: where each architecture keeps RoPE, and the reversible wrappers that feed the cache.
 
 Transformers calls `cache.update(post_rope_keys, values, layer_idx)` and then the attention function,
-which sees neither the cache nor the pre-RoPE keys. Two public seams fill the gap:
-- a forward pre-hook on each attention module records the step (cache, layer, positions) for the
-  attention function (`current_step`);
+which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (design.md §8):
+- a wrapper around each attention module's forward opens the step (cache, layer, positions, module) for the
+  attention function and the cache (`attention_step`), and closes it in a `finally`;
 - a wrapper around the modeling module's `apply_rotary_pos_emb` (looked up by global name at call time)
   records the exact pre-RoPE keys; inverting RoPE from bf16 cos/sin would be off by about one ulp;
+- wrappers around the model's `forward` and `generate` run each call that gets a `ShadowKVCache` inside that
+  cache's use scope: one thread at a time, and a call that raises leaves the cache as it was (hf/state.py);
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
 The wrapper sees the key as the attention module hands it to RoPE, so per-head norms applied before RoPE (Qwen3,
 Gemma 3 `k_norm`) are part of the recorded pre-RoPE key. Models with sliding-window layers (`config.layer_types`,
 Gemma 3) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
 are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers).
-Nothing is patched at import; `patch_model` is idempotent and `unpatch_model` undoes it.
+
+The attention implementation is switched with Transformers' own `set_attn_implementation`, on a copy of the
+model's config that the patch gives the model: models built from one config object share it, and switching the
+shared object would route (or, on unpatching, un-route) the other models too. Nothing is patched at import;
+`patch_model` is idempotent and thread-safe, and `unpatch_model` undoes it, also on a `copy.deepcopy` of a patched
+model (the wrappers are objects that rebind to the copy, not closures over the original).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,12 +37,13 @@ import torch
 from torch import nn
 
 from .attention import register_attention
-from .step_context import ATTENTION_NAME, current_step, enter_attention, leave_attention
+from .step_context import ATTENTION_NAME, attention_step, current_step
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelAdapter",
     "ModelRope",
+    "attention_modules",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
@@ -51,14 +61,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 @dataclass
 class ModelAdapter:
-    """One patched model: its architecture's RoPE and the handles that undo the patch."""
+    """One patched model: its architecture's RoPE and its attention modules (held weakly, by layer index)."""
 
     model_type: str
     modeling_module: Any
     rotary_emb: nn.Module
     apply_rotary: Callable
     original_attn_implementation: str | None
-    handles: list = field(default_factory=list)
+    attention: dict[int, weakref.ref] = field(default_factory=dict)
 
     @property
     def rope(self) -> ModelRope:
@@ -145,45 +155,112 @@ def sliding_windows(text_config: Any) -> list[int | None]:
     return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
 
 
-def patch_model(model: nn.Module) -> ModelAdapter:
-    """Install the attention function, the rotary wrapper and the hooks on `model` (idempotent)."""
-    if model in _ADAPTERS:
-        return _ADAPTERS[model]
-    model_type = check_supported(model)
-    register_attention()
-    modeling = importlib.import_module(SUPPORTED_ARCHITECTURES[model_type])
-    original_rotary = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
-    if not hasattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__"):
-        modeling.apply_rotary_pos_emb = _recording_rotary(original_rotary)
+# One patch or unpatch at a time: two threads that make the first cache of one model must patch it once.
+_PATCH_LOCK = threading.RLock()
+_RECORD = "_shadowkv_patch"  # instance attribute of a patched model: its configs before and after patching
 
-    adapter = ModelAdapter(
-        model_type=model_type,
-        modeling_module=modeling,
-        rotary_emb=_find_rotary_embedding(model),
-        apply_rotary=original_rotary,
-        original_attn_implementation=model.config._attn_implementation,
-    )
-    for module in _attention_modules(model, modeling):
-        adapter.handles.append(module.register_forward_pre_hook(enter_attention, with_kwargs=True))
-        adapter.handles.append(module.register_forward_hook(leave_attention, always_call=True))
-    adapter.handles.append(_InstanceWrapper(model, "prepare_inputs_for_generation", _checking_prefix))
-    model.set_attn_implementation(ATTENTION_NAME)
-    _ADAPTERS[model] = adapter
-    return adapter
+
+@dataclass
+class _PatchRecord:
+    """The config objects a patch swapped: the model's own (perhaps shared with other models) and its private copy,
+    whose attention implementation is "shadowkv". Held on the model, so a deep copy of the model carries its own."""
+
+    original: Any
+    patched: Any
+
+
+def patch_model(model: nn.Module) -> ModelAdapter:
+    """Install the attention function, the rotary wrapper and the model's wrappers on `model` (idempotent,
+    thread-safe). A model already patched whose attention implementation was switched away (`set_attn_implementation`)
+    is routed through "shadowkv" again."""
+    with _PATCH_LOCK:
+        adapter = _ADAPTERS.get(model)
+        if adapter is not None:
+            if model.config._attn_implementation != ATTENTION_NAME:
+                model.set_attn_implementation(ATTENTION_NAME)
+            return adapter
+        model_type = check_supported(model)
+        modeling = importlib.import_module(SUPPORTED_ARCHITECTURES[model_type])
+        # Everything that can fail is looked up before anything changes.
+        attention = _attention_modules(model, modeling)
+        rotary_emb = _find_rotary_embedding(model)
+        _remove_patch(model)  # what a deep copy of a patched model carries over; it is patched afresh below
+        register_attention()
+        original_rotary = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
+        adapter = ModelAdapter(
+            model_type=model_type,
+            modeling_module=modeling,
+            rotary_emb=rotary_emb,
+            apply_rotary=original_rotary,
+            original_attn_implementation=model.config._attn_implementation,
+            attention={module.layer_idx: weakref.ref(module) for module in attention},
+        )
+        try:
+            original = model.config
+            patched = copy.deepcopy(original)
+            _swap_configs(model, original, patched)
+            setattr(model, _RECORD, _PatchRecord(original, patched))
+            for module in attention:
+                _AttentionForward.install(module)
+            for wrapper in (_ModelForward, _Generate, _PrepareInputs):
+                if callable(getattr(model, wrapper.name, None)):
+                    wrapper.install(model)
+            model.set_attn_implementation(ATTENTION_NAME)  # on the model's own copy of its config
+        except BaseException:
+            _remove_patch(model)
+            raise
+        if not hasattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__"):
+            modeling.apply_rotary_pos_emb = _recording_rotary(original_rotary)
+        _ADAPTERS[model] = adapter
+        return adapter
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo `patch_model`: hooks removed, attention implementation and `apply_rotary_pos_emb` restored."""
-    adapter = _ADAPTERS.pop(model, None)
-    if adapter is None:
-        return
-    for handle in adapter.handles:
-        handle.remove()
-    if adapter.original_attn_implementation is not None:
-        model.set_attn_implementation(adapter.original_attn_implementation)
-    # Models that were dropped without unpatching have left the weak dictionary, so they do not count.
-    if not any(a.modeling_module is adapter.modeling_module for a in _ADAPTERS.values()):
-        adapter.modeling_module.apply_rotary_pos_emb = adapter.apply_rotary
+    """Undo `patch_model`: wrappers removed, the model's own config object (and so its attention implementation)
+    and `apply_rotary_pos_emb` restored. Also undoes what a `copy.deepcopy` of a patched model carries over."""
+    with _PATCH_LOCK:
+        adapter = _ADAPTERS.pop(model, None)
+        _remove_patch(model)
+        if adapter is None:
+            return
+        # Models that were dropped without unpatching have left the weak dictionary, so they do not count.
+        if not any(a.modeling_module is adapter.modeling_module for a in _ADAPTERS.values()):
+            adapter.modeling_module.apply_rotary_pos_emb = adapter.apply_rotary
+
+
+def attention_modules(model: nn.Module) -> dict[int, weakref.ref]:
+    """`{layer_idx: weakref to the attention module}` of a patched model (patching it if needed)."""
+    return dict(patch_model(model).attention)
+
+
+def _remove_patch(model: nn.Module) -> None:
+    """Remove this package's wrappers from `model` and its modules and give them back their config objects."""
+    for module in model.modules():
+        for name in ("forward", "generate", "prepare_inputs_for_generation"):
+            wrapper = vars(module).get(name)
+            if isinstance(wrapper, _InstanceWrapper):
+                wrapper.remove(module)
+    record = vars(model).pop(_RECORD, None)
+    if isinstance(record, _PatchRecord):
+        _swap_configs(model, record.patched, record.original)
+
+
+def _swap_configs(model: nn.Module, old: Any, new: Any) -> None:
+    """Point every module whose `config` is `old` (or one of its sub-configs) at `new` (or its counterpart)."""
+    pairs: dict[int, tuple[Any, Any]] = {}
+
+    def pair(a: Any, b: Any) -> None:
+        pairs[id(a)] = (a, b)
+        for key in getattr(a, "sub_configs", None) or {}:
+            sub_a, sub_b = getattr(a, key, None), getattr(b, key, None)
+            if sub_a is not None and sub_b is not None:
+                pair(sub_a, sub_b)
+
+    pair(old, new)
+    for module in model.modules():
+        current = vars(module).get("config")
+        if current is not None and pairs.get(id(current), (None,))[0] is current:
+            module.config = pairs[id(current)][1]
 
 
 def _recording_rotary(original: Callable) -> Callable:
@@ -198,39 +275,104 @@ def _recording_rotary(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _checking_prefix(original: Callable) -> Callable:
+class _InstanceWrapper:
+    """A callable set as an instance attribute over a method of one object (`name`), calling the class's method, or
+    the instance attribute that was already there (which `remove` puts back).
+
+    An object rather than a closure, and holding its owner weakly: a closure over the owner's bound method would keep
+    a dropped model alive, and a `copy.deepcopy` of the model would keep calling the original through it.
+    `__deepcopy__` binds the copy of the wrapper to the copy of its owner (found in the memo).
+    """
+
+    name = ""
+
+    def __init__(self, owner: Any, previous: Callable | None):
+        self._owner = weakref.ref(owner)
+        self._previous = previous
+
+    @classmethod
+    def install(cls, owner: Any) -> _InstanceWrapper:
+        wrapper = cls(owner, vars(owner).get(cls.name))
+        setattr(owner, cls.name, wrapper)
+        return wrapper
+
+    @property
+    def owner(self) -> Any:
+        return self._owner()
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """What the wrapper calls: the owner's own method. `inspect.signature` follows it, so Transformers (which
+        inspects `model.forward`'s parameters) sees the real signature."""
+        if self._previous is not None:
+            return self._previous
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError(f"the object whose {self.name} this wrapper wraps no longer exists")
+        return getattr(type(owner), self.name).__get__(owner, type(owner))
+
+    def remove(self, owner: Any) -> None:
+        if vars(owner).get(self.name) is not self:
+            return
+        if self._previous is not None:
+            setattr(owner, self.name, self._previous)
+        else:
+            delattr(owner, self.name)
+
+    def __deepcopy__(self, memo: dict) -> _InstanceWrapper:
+        owner = self._owner()
+        twin = memo.get(id(owner), owner) if owner is not None else None
+        new = object.__new__(type(self))
+        new._owner = weakref.ref(twin) if twin is not None else self._owner
+        new._previous = copy.deepcopy(self._previous, memo)
+        return new
+
+
+class _AttentionForward(_InstanceWrapper):
+    """An attention module's forward, run inside its step (`attention_step`)."""
+
+    name = "forward"
+
+    def __call__(self, *args, **kwargs):
+        with attention_step(self._owner(), kwargs):
+            return self.__wrapped__(*args, **kwargs)
+
+
+class _CacheUse(_InstanceWrapper):
+    """A model call that gets a `ShadowKVCache` runs inside that cache's use scope (`ShadowKVCache.use_scope`):
+    one thread at a time, and an exception leaves the cache as it was before the call."""
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        scope = getattr(cache, "use_scope", None)
+        if scope is None:
+            return self.__wrapped__(*args, **kwargs)
+        with scope(self._owner()):
+            return self.__wrapped__(*args, **kwargs)
+
+
+class _ModelForward(_CacheUse):
+    name = "forward"
+
+
+class _Generate(_CacheUse):
+    name = "generate"
+
+
+class _PrepareInputs(_InstanceWrapper):
     """`generate` passes each step's full ids to `prepare_inputs_for_generation` (the forward only sees the
     uncached ones): a cache that holds a saved prefix checks there, before the first forward, that the ids start
     with it (`check_prefix_ids`)."""
 
-    @functools.wraps(original)
-    def prepare_inputs_for_generation(*args, **kwargs):
+    name = "prepare_inputs_for_generation"
+
+    def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         input_ids = args[0] if args else kwargs.get("input_ids")
         check = getattr(cache, "check_prefix_ids", None)
         if check is not None and isinstance(input_ids, torch.Tensor):
             check(input_ids, kwargs.get("attention_mask"))
-        return original(*args, **kwargs)
-
-    return prepare_inputs_for_generation
-
-
-class _InstanceWrapper:
-    """Wraps a method on one object (an instance attribute over its class's method); `remove` undoes it."""
-
-    def __init__(self, obj: Any, name: str, wrap: Callable[[Callable], Callable]):
-        self.obj, self.name = weakref.ref(obj), name  # weak: the adapter must not keep a dropped model alive
-        self.previous = vars(obj).get(name)  # an instance attribute that was already there, if any
-        setattr(obj, name, wrap(getattr(obj, name)))
-
-    def remove(self) -> None:
-        obj = self.obj()
-        if obj is None:
-            return
-        if self.previous is not None:
-            setattr(obj, self.name, self.previous)
-        elif self.name in vars(obj):
-            delattr(obj, self.name)
+        return self.__wrapped__(*args, **kwargs)
 
 
 def _attention_modules(model: nn.Module, modeling: Any) -> list[nn.Module]:

@@ -1,21 +1,26 @@
 """The side channel from an attention module's forward to the attention function.
 
 Transformers hands the attention function the query, keys, values and mask, but not the cache, the positions or the
-keys before RoPE. A forward pre-hook on each attention module opens a `StepContext` on this thread
-(`enter_attention`), the rotary wrapper adds the pre-RoPE keys to it, and the attention function reads it
-(`current_step`); a forward hook closes it (`leave_attention`), also when the forward raises.
+keys before RoPE. A wrapper around each attention module's forward (hf/adapters.py) opens a `StepContext` on this
+thread for the duration of that forward (`attention_step`), the rotary wrapper adds the pre-RoPE keys to it, and the
+attention function and `ShadowKVCache.update` read it (`current_step`). The context is closed in a `finally`, so an
+exception of any kind (a `KeyboardInterrupt` too, which a forward hook with `always_call=True` does not see) leaves no
+stale step behind: a stale step would keep its cache alive and receive the pre-RoPE keys of other models that share
+the patched modeling module.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION_NAME", "StepContext", "current_step", "enter_attention", "leave_attention"]
+__all__ = ["ATTENTION_NAME", "StepContext", "attention_step", "current_step"]
 
 # The name the attention function and its mask are registered under (free of "sdpa", "flash_attention",
 # "flex_attention" and "/", which Transformers treats specially).
@@ -29,6 +34,7 @@ class StepContext:
     cache: Any
     layer_idx: int
     position_ids: torch.Tensor | None
+    module: nn.Module | None = None  # the attention module running: tells a cache which model calls it
     pre_rope_keys: torch.Tensor | None = None
 
 
@@ -40,10 +46,15 @@ def current_step() -> StepContext | None:
     return getattr(_local, "step", None)
 
 
-def enter_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
+@contextmanager
+def attention_step(module: nn.Module, kwargs: dict) -> Iterator[StepContext]:
+    """Open the step of `module`'s forward (called with `kwargs`) on this thread; the previous one (if an attention
+    forward ever nests another) is restored on the way out, whatever ends the forward."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    _local.step = StepContext(cache, module.layer_idx, kwargs.get("position_ids"))
-
-
-def leave_attention(module: nn.Module, args: tuple, output: Any) -> None:
-    _local.step = None
+    step = StepContext(cache, module.layer_idx, kwargs.get("position_ids"), module)
+    previous = getattr(_local, "step", None)
+    _local.step = step
+    try:
+        yield step
+    finally:
+        _local.step = previous
