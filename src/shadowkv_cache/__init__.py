@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .config import ShadowKVConfig
     from .hf.adapters import SUPPORTED_ARCHITECTURES, patch_model, unpatch_model
     from .hf.cache import ShadowKVCache
+    from .hf.state import CacheInUseError, CacheStateError
     from .memory_report import MemoryReport
     from .policies import LandmarkTopK, SelectionPolicy
     from .prefix import PrefixCacheError
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _EXPORTS = {
     "SUPPORTED_ARCHITECTURES": ".hf.adapters",
+    "CacheInUseError": ".hf.state",
+    "CacheStateError": ".hf.state",
     "LandmarkTopK": ".policies",
     "MemoryReport": ".memory_report",
     "PrefixCacheError": ".prefix",
@@ -34,6 +37,8 @@ _EXPORTS = {
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "CacheInUseError",
+    "CacheStateError",
     "LandmarkTopK",
     "MemoryReport",
     "PrefixCacheError",

@@ -175,6 +175,13 @@ class ShadowKVConfig:
                 raise bad(
                     "outlier_chunks", self.outlier_chunks, "YAKV mode has no low-rank keys or outliers; leave it None."
                 )
+            if self.value_format != "native":
+                raise bad(
+                    "value_format",
+                    self.value_format,
+                    "YAKV mode stores keys and values as its own ~4-bit records (set by host_grid_dim), so "
+                    "value_format does not apply; leave value_format='native', or use mode='shadowkv' for fp8/higgs4.",
+                )
             if head_dim is not None:
                 for name in ("host_grid_dim", "score_grid_dim"):
                     if head_dim & (head_dim - 1) or head_dim % getattr(self, name):

@@ -65,6 +65,12 @@ def real_tokens(attention_mask: torch.Tensor | None, batch: int, slots: int, dev
     last = attention_mask[:, 0, -1, -slots:]
     real = last if last.dtype == torch.bool else last == 0
     real = real.expand(batch, slots)
+    empty = (~real.any(dim=-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"Row(s) {empty} of this batch have no real token (their attention_mask is all zeros); give every row at "
+            "least one token, or leave such rows out of the batch."
+        )
     # Chunks assume each row's real tokens are one left-padded run.
     first = real.int().argmax(dim=-1, keepdim=True)
     if not torch.equal(real, torch.arange(slots, device=device)[None] >= first):

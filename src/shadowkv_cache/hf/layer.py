@@ -148,6 +148,29 @@ class CompressedLayer(DynamicLayer):
             self.keys, self.values = self.keys[index], self.values[index]
         self._graph = None
 
+    def checkpoint(self) -> tuple:
+        """What `restore` needs to undo every later update, compression and row operation of this layer.
+
+        References only, nothing is copied: an exact layer's update concatenates into new tensors, compression and row
+        operations replace the prompt and the token buffer, and appends to the token buffer happen in place past its
+        length, which `restore` crops away.
+        """
+        return dict(vars(self)), dict(vars(self.mode)), self.new.length if self.new is not None else None
+
+    def restore(self, saved: tuple) -> None:
+        """Go back to a `checkpoint` (after a failed call)."""
+        layer_state, mode_state, length = saved
+        vars(self).clear()
+        vars(self).update(layer_state)
+        vars(self.mode).clear()
+        vars(self.mode).update(mode_state)
+        if self.new is not None:
+            self.new.crop(length)
+            self.keys, self.values = self.new.held()
+        if self.prompt is not None:
+            self.mode.drop_decode_state()  # a step that failed part way may have left the selection half refreshed
+        self._graph = None
+
     def drop_decode_state(self) -> None:
         """Free what only decoding needs (ShadowKV's temporal cache) in a cache that is only prefilled (a micro
         batch that is joined next); a later sparse step makes it again."""

@@ -26,6 +26,16 @@ class SlidingLayer(DynamicSlidingWindowLayer):
     prompt = None  # no compressed prompt
     is_compressed = False
 
+    def checkpoint(self) -> dict:
+        """What `restore` needs to undo later updates: `update` replaces `keys`/`values` (concatenation, then the
+        window's slice) and never writes into them, so references are enough."""
+        return dict(vars(self))
+
+    def restore(self, saved: dict) -> None:
+        """Go back to a `checkpoint` (after a failed call)."""
+        vars(self).clear()
+        vars(self).update(saved)
+
     def nbytes(self) -> tuple[int, int, int]:
         """(device bytes, host bytes, bytes a `DynamicCache` would hold): the same window in both caches."""
         if not self.is_initialized:
