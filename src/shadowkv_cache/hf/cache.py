@@ -296,14 +296,20 @@ class ShadowKVCache(Cache):
         """`[S]` int64 ids of the document this cache started from (`prefill`, `load_prefix`, `fork`), else None."""
         return self._prefix_ids
 
-    def save_prefix(self, path: str | os.PathLike, input_ids: torch.Tensor | None = None) -> None:
-        """Save this one-row cache's document to a `.safetensors` file (atomically; format in prefix/).
+    def save_prefix(
+        self, path: str | os.PathLike, input_ids: torch.Tensor | None = None, key: bytes | None = None
+    ) -> None:
+        """Save this one-row cache's document to a `.safetensors` file (atomically, with the usual file permissions;
+        format in docs/prefix_format.md).
 
         Args:
             path (`str` or `os.PathLike`): the file to write (replaced if it exists).
             input_ids (`torch.Tensor`, *optional*): the document's ids (`[S]` or `[1, S]`); needed only when the
                 cache was filled by a plain forward rather than `prefill`/`load_prefix`. The cache must hold
                 exactly these tokens: save before generating.
+            key (`bytes`, *optional*): sign the file with HMAC-SHA256 under this key; `load_prefix` then needs the
+                same key, and a file changed by anyone without it does not load. Without a key the file carries
+                SHA-256 digests, which detect damage but not a deliberate change.
         """
         if self.config.mode != "shadowkv":
             raise prefix.PrefixCacheError(
@@ -326,7 +332,7 @@ class ShadowKVCache(Cache):
         self._guard.enter()  # not while another thread's call changes the layers
         try:
             layers = [(layer.prompt, layer.keys, layer.values) for layer in self.layers]
-            prefix.write_prefix(path, model, self.config, self.policy, ids, layers)
+            prefix.write_prefix(path, model, self.config, self.policy, ids, layers, key=key)
         finally:
             self._guard.exit()
         self._prefix_ids = ids
@@ -338,14 +344,23 @@ class ShadowKVCache(Cache):
         path: str | os.PathLike,
         config: ShadowKVConfig | None = None,
         policy: SelectionPolicy | None = None,
+        verify: bool = True,
+        key: bytes | None = None,
         **overrides,
     ) -> ShadowKVCache:
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
-        The file's model identity, config, version and every tensor's shape and dtype are checked before
-        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
-        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. The temporal
-        cache starts empty.
+        The file's model identity (config and every weight that shapes keys and values), config, version and every
+        tensor's shape and dtype are checked before anything is built; a mismatch raises `PrefixCacheError` naming
+        what differs. Only `sparse_budget`, `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ
+        from the saved config. The temporal cache starts empty.
+
+        Args:
+            verify (`bool`, *optional*, defaults to True): check every tensor's digest and that float tensors are
+                finite (about 1 s per GiB on one CPU core, docs/prefix_format.md); `False` skips that for a file you
+                trust, the structural checks still run.
+            key (`bytes`, *optional*): the key the file was signed with (`save_prefix(..., key=...)`); a signed file
+                needs it, a wrong key or a changed file raises.
         """
         if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
             raise prefix.PrefixCacheError(
@@ -353,7 +368,7 @@ class ShadowKVCache(Cache):
                 "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
             )
         _refuse_sliding_prefix(model, "load_prefix")
-        state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides)
+        state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides, verify=verify, key=key)
         cache = cls(model, state.config, state.policy)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
             layer.set_prefix(prompt, keys, values)

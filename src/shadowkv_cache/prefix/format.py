@@ -3,14 +3,15 @@
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
 tokens, R rank, O outlier chunks, W local-window tokens.
 
-A prefix file (format version 2, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
+A prefix file (format version 3, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
 keeps of a document: the `CompressedPrompt` tensors (low-rank factors, positions, policy state such as the
 landmarks, outliers, local window, host values), or the exact keys/values of a document shorter than
 `min_compress_len`; plus the token ids. Its safetensors metadata holds one JSON object (key
-`shadowkv_prefix`): format and version, the model's identity (a hash of its config and of the first layer's
-`k_proj`/`v_proj` weights), the ShadowKV config, the selection policy, the prefix length, a hash of the token
-ids and the KV dtype. The loader checks all of it, and every tensor's name, shape and dtype, before it builds
-anything; writes are atomic; nothing is pickled.
+`shadowkv_prefix`): format and version, the model's identity (a hash of its config and of every weight that shapes
+the keys and values), the ShadowKV config, the selection policy, the prefix length, a hash of the token ids, the KV
+dtype, and digests of every tensor and of the header (SHA-256, or HMAC-SHA256 with a key; `integrity.py`). The
+loader checks all of it before it builds anything; writes are atomic and get the usual permissions; nothing is
+pickled.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -29,22 +32,41 @@ from safetensors.torch import save_file
 from ..config import ShadowKVConfig
 from ..policies.base import SelectionPolicy
 from ..stores.value_codecs import value_codec
+from . import integrity
 from .errors import PrefixCacheError
 from .identity import kv_dtype_and_devices, model_dims, model_identity, token_ids_sha256
 from .layout import check_specs, expected_tensors, layer_tensors
 
-__all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "write_prefix"]
+__all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "format_bytes", "write_prefix"]
 
 FORMAT_NAME = "shadowkv-prefix"
-FORMAT_VERSION = 2  # 2: per-layer ranks (rank='auto'); every config field present
+FORMAT_VERSION = 3  # 2: per-layer ranks (rank='auto'); 3: digests of every tensor and the header, all K/V weights
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
 
 
-def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, token_ids: torch.Tensor, layers):
-    """Save a one-row prefix (`layers`: `(prompt, keys, values)` per layer) to `path`, atomically."""
+# A writer's temporary file: `.<target name>.<pid>.<16 hex>.shadowkv-tmp` beside the target (see `_remove_stale`).
+_TMP_SUFFIX = ".shadowkv-tmp"
+_TMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{16}" + re.escape(_TMP_SUFFIX) + "$")
+# A temporary file is stale when its writer is gone and it has not changed for this long (a writer in another PID
+# namespace on a shared folder may look gone from here, but it keeps writing).
+STALE_AFTER_S = 600.0
+
+
+def write_prefix(
+    path,
+    model,
+    config: ShadowKVConfig,
+    policy: SelectionPolicy,
+    token_ids: torch.Tensor,
+    layers,
+    key: bytes | None = None,
+) -> None:
+    """Save a one-row prefix (`layers`: `(prompt, keys, values)` per layer) to `path`, atomically; with `key`
+    (bytes), every digest is an HMAC-SHA256 under it."""
     path = Path(path)
+    key = integrity.check_key_option(key)
     length = len(token_ids)
     dims = model_dims(model)
     dtype, _ = kv_dtype_and_devices(model, dims[0])
@@ -65,6 +87,22 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
     ranks = [prompt.a.shape[-1] if prompt is not None else 0 for prompt, _, _ in layers]
     expected = expected_tensors(dims, config, length, dtype, policy_specs, ranks)
     check_specs({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, expected, "this cache")
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    if needed > free:
+        raise PrefixCacheError(
+            f"The prefix needs {format_bytes(needed)} but {path.parent} has {format_bytes(free)} free; free some space "
+            "or save elsewhere."
+        )
+    tensors = {k: v.to("cpu") for k, v in tensors.items()}  # once: digests and the writer read the same bytes
+    bad = [name for name, t in tensors.items() if integrity.non_finite(t)]
+    if bad:
+        raise PrefixCacheError(
+            f"This cache holds NaN or inf in {bad[:4]}: the model produced non-finite keys or values (an fp16 "
+            "overflow?), and a file of them would give NaN logits. Prefill the document again (e.g. in bf16 or fp32)."
+        )
+    token_hash = token_ids_sha256(token_ids)
     meta = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -77,23 +115,23 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
             },
         },
         "prefix_length": length,
-        "token_ids_sha256": token_ids_sha256(token_ids),
+        "token_ids_sha256": token_hash,
         "kv_dtype": str(dtype).removeprefix("torch."),
         "value_codec": value_codec(config.value_format, dims[2]).identity(),
         "layers": ["compressed" if p is not None else "exact" for p, _, _ in layers],
         "ranks": ranks,
+        integrity.FIELD: {
+            "algorithm": integrity.KEYED if key is not None else integrity.UNKEYED,
+            "tensors": integrity.tensor_digests(key, token_hash, tensors),
+        },
     }
-    needed = sum(t.numel() * t.element_size() for t in tensors.values())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(path.parent).free
-    if needed > free:
-        raise PrefixCacheError(
-            f"The prefix needs {needed / 2**30:.2f} GiB but {path.parent} has {free / 2**30:.2f} GiB free."
-        )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    meta[integrity.FIELD]["header"] = integrity.header_digest(key, meta)
+    _remove_stale(path.parent)
+    tmp = _create_temporary(path)
     try:
+        mode = tmp.stat().st_mode & 0o777  # 0666 less the umask, as the kernel applied it to our own creation
         save_file(tensors, tmp, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        os.chmod(tmp, mode)  # safetensors writes its files 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
@@ -101,3 +139,52 @@ def write_prefix(path, model, config: ShadowKVConfig, policy: SelectionPolicy, t
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB), 3 significant digits."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+
+
+def _create_temporary(path: Path) -> Path:
+    """A new empty file beside `path` whose name records this writer's pid, created with mode 0666 so that the umask
+    gives it the usual permissions (`tempfile.mkstemp` makes 0600 files, and the renamed file would stay private)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+
+
+def _remove_stale(folder: Path) -> None:
+    """Delete this library's temporary files in `folder` left by writers that died (`kill -9` mid-save): their pid
+    is not a live process here and they have not changed for `STALE_AFTER_S`. Other files are never touched."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    now = time.time()
+    for entry in entries:
+        match = _TMP_NAME.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            os.kill(int(match["pid"]), 0)
+            continue  # alive (or reused by another process): not ours to judge
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue  # a live process of another user, or not a pid
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime >= STALE_AFTER_S:
+                os.unlink(entry.path)
+        except OSError:
+            continue

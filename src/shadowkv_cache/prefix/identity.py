@@ -1,19 +1,43 @@
 """A model's identity in a prefix file: what must match for a saved document's keys and values to be this model's.
 
-Legend: S prefix tokens.
+Legend: S prefix tokens, L layers.
+
+The keys and values of layer `i` are a function of the token ids, the config and every weight they pass through on
+the way: the input embeddings and every parameter of layers `0..i` (norms, q/k/v/o projections, MLP, per-head
+norms). So the identity hashes the config and all of those for `i = L-1`: the embeddings and every parameter of
+decoder layers `0..L-1`, but not the final norm or the LM head, which come after the last layer's keys and values.
+Hashing is streamed (a tensor at a time, device tensors in 64 MiB pieces), and its result is kept per model object
+until a hashed parameter changes (`model_identity`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 from .errors import PrefixCacheError
 
-__all__ = ["canonical_json", "kv_dtype_and_devices", "model_dims", "model_identity", "token_ids_sha256"]
+__all__ = [
+    "WEIGHTS_COVERED",
+    "canonical_json",
+    "config_identity",
+    "forget_model_identity",
+    "hash_tensor_into",
+    "identity_weights",
+    "kv_dtype_and_devices",
+    "model_dims",
+    "model_identity",
+    "parallel_map",
+    "token_ids_sha256",
+]
 
 # Config entries that do not change the keys and values a model computes.
 _VOLATILE_CONFIG_KEYS = {
@@ -21,6 +45,8 @@ _VOLATILE_CONFIG_KEYS = {
     "output_hidden_states", "pad_token_id", "problem_type", "return_dict", "torch_dtype", "transformers_version",
     "use_cache",
 }  # fmt: skip
+WEIGHTS_COVERED = "input embeddings and every parameter of decoder layers 0..L-1 (not the final norm or LM head)"
+_PIECE = 64 * 2**20  # bytes of a device tensor copied to the host at a time while hashing
 
 
 def token_ids_sha256(ids: torch.Tensor) -> str:
@@ -32,37 +58,121 @@ def canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
 
 
-def _first_kv_projections(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    names = {}
-    for name, param in model.named_parameters():
-        for proj in ("k_proj.weight", "v_proj.weight"):
-            if name.endswith(proj) and proj not in names:
-                names[proj] = (name, param)
-    if len(names) < 2:
-        raise PrefixCacheError(f"{type(model).__name__} has no k_proj/v_proj weights to identify it by.")
-    return [names["k_proj.weight"], names["v_proj.weight"]]
+def hash_tensor_into(digest, tensor: torch.Tensor) -> None:
+    """Feed `tensor`'s raw bytes (native byte order, row-major) to `digest` (a `hashlib`/`hmac` object) without
+    copying a host tensor, and a device tensor in pieces of at most 64 MiB."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        digest.update(memoryview(flat.numpy()))
+        return
+    for start in range(0, flat.numel(), _PIECE):
+        digest.update(memoryview(flat[start : start + _PIECE].cpu().numpy()))
 
 
-def model_identity(model: nn.Module) -> dict:
-    """The model's config (minus entries that do not change keys/values) and hashes of it and of layer 0's
-    `k_proj`/`v_proj` weights, which tell a base and an instruct model of one config apart."""
+def parallel_map(fn: Callable, items: Iterable) -> list:
+    """`[fn(item) for item in items]`, spread over threads: hashlib releases the GIL while it hashes a large buffer,
+    so digests of many tensors use every core (results in the order of `items`)."""
+    items = list(items)
+    workers = min(len(items), os.cpu_count() or 1, 16)
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shadowkv-hash") as pool:
+        return list(pool.map(fn, items))
+
+
+def identity_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`(name, parameter)` of everything that shapes the keys and values: the input embeddings and every parameter of
+    each decoder layer, in the model's order (`named_parameters`, so a tied weight counts once)."""
+    text = model.config.get_text_config()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    layers = _decoder_layers(model, text.num_hidden_layers)
+    owners = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    for layer in layers:
+        owners |= {id(p) for p in layer.parameters()}
+    weights = [(name, p) for name, p in model.named_parameters() if id(p) in owners]
+    if embeddings is None or not weights:
+        raise PrefixCacheError(f"{type(model).__name__} has no input embeddings and decoder layers to identify it by.")
+    return weights
+
+
+def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
+    """The model's decoder layers: the `ModuleList` of `num_layers` modules that hold its attention modules."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            if all(any(hasattr(m, "layer_idx") and hasattr(m, "k_proj") for m in layer.modules()) for layer in module):
+                return list(module)
+    raise PrefixCacheError(f"{type(model).__name__} has no list of {num_layers} decoder layers to identify it by.")
+
+
+# model -> (what the cached identity was computed from, the identity); see `model_identity`.
+_IDENTITIES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
+_IDENTITIES_LOCK = threading.Lock()
+
+
+def _weights_state(weights: list[tuple[str, torch.Tensor]]) -> tuple:
+    # In-place writes to a parameter bump its version counter; a new tensor has another address, dtype or shape.
+    return tuple((name, p.data_ptr(), p._version, p.dtype, tuple(p.shape), p.device) for name, p in weights)
+
+
+def forget_model_identity(model: nn.Module | None = None) -> None:
+    """Drop the identity kept for `model` (or for every model), so that the next save or load hashes its weights
+    again. Needed only after writing weights in a way PyTorch does not count (through `.data`, numpy or DLPack)."""
+    with _IDENTITIES_LOCK:
+        if model is None:
+            _IDENTITIES.clear()
+        else:
+            _IDENTITIES.pop(model, None)
+
+
+def config_identity(model: nn.Module) -> dict:
+    """The model's type, its text config as plain JSON (minus entries that do not change keys/values) and its hash."""
     text_config = model.config.get_text_config()
     config = {
         k: v for k, v in text_config.to_dict().items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
     }
     config = json.loads(canonical_json(config))  # plain JSON, as it reads back from a file
-    weights = hashlib.sha256()
-    projections = _first_kv_projections(model)
-    for name, param in projections:
-        tensor = param.detach().to("cpu").contiguous()
-        weights.update(canonical_json([name, str(tensor.dtype), list(tensor.shape)]).encode())
-        weights.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return {
         "model_type": text_config.model_type,
         "config": config,
         "config_sha256": hashlib.sha256(canonical_json(config).encode()).hexdigest(),
-        "weights": [name for name, _ in projections],
-        "weights_sha256": weights.hexdigest(),
+    }
+
+
+def model_identity(model: nn.Module) -> dict:
+    """`config_identity` plus SHA-256 digests of every weight that shapes the keys and values (`identity_weights`),
+    one per tensor (`weights`) and one over all of them (`weights_sha256`).
+
+    Hashing an 8B model's ~15 GB takes seconds, so the digests are kept per model object and computed again only when
+    a hashed parameter changed: written in place through the parameter (its `_version` counter), or replaced (another
+    address, dtype, shape or device). Writes PyTorch does not count (`param.data.copy_(...)`, numpy or DLPack views)
+    are not seen: call `forget_model_identity(model)` after such a write.
+    """
+    weights = identity_weights(model)
+    state = _weights_state(weights)
+    with _IDENTITIES_LOCK:
+        kept = _IDENTITIES.get(model)
+    if kept is not None and kept[0] == state:
+        digests = kept[1]
+    else:
+
+        def digest(item: tuple[str, torch.Tensor]) -> str:
+            name, param = item
+            one = hashlib.sha256(canonical_json([name, str(param.dtype), list(param.shape)]).encode())
+            hash_tensor_into(one, param)
+            return one.hexdigest()
+
+        per_tensor = dict(zip([name for name, _ in weights], parallel_map(digest, weights)))
+        combined = hashlib.sha256()
+        for name, hexdigest in per_tensor.items():
+            combined.update(f"{name}:{hexdigest};".encode())
+        digests = {"weights": per_tensor, "weights_sha256": combined.hexdigest()}
+        with _IDENTITIES_LOCK:
+            _IDENTITIES[model] = (state, digests)
+    return {
+        **config_identity(model),
+        "weights_covered": WEIGHTS_COVERED,
+        "weights": dict(digests["weights"]),
+        "weights_sha256": digests["weights_sha256"],
     }
 
 
@@ -74,11 +184,14 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:
-    """The dtype keys and values come in (that of `k_proj`), and the device of each layer's attention."""
-    devices = {}
+    """The dtype keys and values come in (that of the first layer's `k_proj`), and the device of each layer's
+    attention."""
+    weights = {}
     for module in model.modules():
         if hasattr(module, "layer_idx") and isinstance(getattr(module, "k_proj", None), nn.Module):
-            devices[module.layer_idx] = module.k_proj.weight.device
-    dtype = _first_kv_projections(model)[0][1].dtype
-    fallback = next(iter(devices.values()), torch.device("cpu"))
-    return dtype, [devices.get(i, fallback) for i in range(num_layers)]
+            weights[module.layer_idx] = module.k_proj.weight
+    if not weights:
+        raise PrefixCacheError(f"{type(model).__name__} has no k_proj weights to take the keys' dtype from.")
+    dtype = weights[min(weights)].dtype
+    fallback = next(iter(weights.values())).device
+    return dtype, [weights[i].device if i in weights else fallback for i in range(num_layers)]

@@ -1,6 +1,9 @@
 """Reading a prefix file: everything is checked before any tensor is built.
 
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed tokens.
+
+The header and the tensors come from one open file (one `safe_open`, which maps the file once): a writer that
+replaces the file meanwhile (an atomic rename) cannot make a load mix its header with another file's tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +23,17 @@ from ..policies.base import SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
 from ..stores.value_codecs import value_codec
 from ..stores.value_store import HostValueStore
+from . import integrity
 from .errors import PrefixCacheError, PrefixOptionError
 from .format import DECODE_TIME_FIELDS, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY
-from .identity import canonical_json, kv_dtype_and_devices, model_dims, model_identity, token_ids_sha256
+from .identity import (
+    canonical_json,
+    config_identity,
+    kv_dtype_and_devices,
+    model_dims,
+    model_identity,
+    token_ids_sha256,
+)
 from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, expected_tensors
 
 __all__ = ["PrefixState", "read_prefix"]
@@ -54,19 +65,16 @@ def _differences(saved: dict, current: dict, limit: int = 6) -> str:
     return "; ".join(shown[:limit]) + (f"; and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _read_header(path: Path) -> tuple[dict, dict[str, Spec]]:
-    """The JSON metadata and `{name: (shape, dtype)}` from the safetensors header, or `PrefixCacheError`."""
-    if not path.is_file():
-        raise PrefixCacheError(f"No prefix file at {path}.")
+def _read_header(f, path: Path) -> tuple[dict, dict[str, Spec]]:
+    """The JSON metadata and `{name: (shape, dtype)}` from the open safetensors file `f`, or `PrefixCacheError`."""
     by_st = {v: k for k, v in ST_DTYPES.items()}
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            specs = {}
-            for name in f.keys():
-                piece = f.get_slice(name)
-                specs[name] = (tuple(piece.get_shape()), by_st.get(piece.get_dtype(), piece.get_dtype()))
-    except Exception as err:  # the library's errors for truncated or malformed files vary by version
+        metadata = f.metadata() or {}
+        specs = {}
+        for name in f.keys():
+            piece = f.get_slice(name)
+            specs[name] = (tuple(piece.get_shape()), by_st.get(piece.get_dtype(), piece.get_dtype()))
+    except Exception as err:  # the library's errors for malformed headers vary by version
         raise PrefixCacheError(f"{path} is not a readable safetensors file (truncated or damaged?): {err}") from err
     if METADATA_KEY not in metadata:
         raise PrefixCacheError(f"{path} is a safetensors file but not a shadowkv_cache prefix (no '{METADATA_KEY}').")
@@ -80,11 +88,12 @@ def _read_header(path: Path) -> tuple[dict, dict[str, Spec]]:
 
 
 def _check_model(meta: dict, model: nn.Module, path: Path) -> torch.dtype:
+    """The model's type, config and KV dtype (cheap; the weights come last, `_check_weights`)."""
     saved = _field(meta, "model", dict, path)
     saved_config = _field(saved, "config", dict, path)
     if hashlib.sha256(canonical_json(saved_config).encode()).hexdigest() != _field(saved, "config_sha256", str, path):
         raise PrefixCacheError(f"{path}: the model config in the metadata does not match its hash (damaged header).")
-    current = model_identity(model)
+    current = config_identity(model)
     if saved_config != current["config"] or _field(saved, "model_type", str, path) != current["model_type"]:
         raise PrefixCacheError(
             f"{path} was saved for another model ({saved.get('model_type')}); config differs: "
@@ -98,12 +107,25 @@ def _check_model(meta: dict, model: nn.Module, path: Path) -> torch.dtype:
             f"{str(model_dtype).removeprefix('torch.')}; load the model "
             f"in {meta['kv_dtype']} or prefill the document again."
         )
-    if _field(saved, "weights_sha256", str, path) != current["weights_sha256"]:
-        raise PrefixCacheError(
-            f"{path} was saved for a model with the same config but other weights (hash of {current['weights']} "
-            "differs, e.g. a base vs an instruct model). Prefill the document again with this model."
-        )
     return dtype
+
+
+def _check_weights(meta: dict, model: nn.Module, path: Path) -> None:
+    """Every weight that shapes the keys and values (identity.py) hashes as it did for the model that saved the file."""
+    saved = _field(meta, "model", dict, path)
+    weights = _field(saved, "weights", dict, path)
+    total = _field(saved, "weights_sha256", str, path)
+    current = model_identity(model)
+    if total == current["weights_sha256"]:
+        return
+    differ = [name for name, digest in current["weights"].items() if weights.get(name) != digest]
+    missing = sorted(set(weights) - set(current["weights"]))
+    extra = f"; the file's {missing[:3]} are not in this model" if missing else ""
+    raise PrefixCacheError(
+        f"{path} was saved for a model with the same config but other weights ({len(differ)} of "
+        f"{len(current['weights'])} weight tensors differ, first {differ[:3]}{extra}; e.g. a base vs an instruct "
+        "model, or a fine-tune). Prefill the document again with this model."
+    )
 
 
 def _check_config(
@@ -168,25 +190,70 @@ def _policy_specs(meta: dict, policy: SelectionPolicy, path: Path) -> dict[str, 
 
 
 def read_prefix(
-    model: nn.Module, path, config: ShadowKVConfig | None, policy: SelectionPolicy, overrides: dict
+    model: nn.Module,
+    path,
+    config: ShadowKVConfig | None,
+    policy: SelectionPolicy,
+    overrides: dict,
+    verify: bool = True,
+    key: bytes | None = None,
 ) -> PrefixState:
     """Validate the file at `path` against `model`, `config`/`overrides` and `policy`, then read it.
 
-    Everything is checked before any tensor is read: format and version, model config and weights, KV
-    dtype, ShadowKV config, policy, and every tensor's name, shape and dtype. Then the token ids are checked
-    against their hash and the structural tensors (positions, masks, budgets) against what a document prefix
-    holds. Device tensors go to each layer's device; host values to (pinned) host memory.
+    Everything is checked before any tensor is built, from one open file: format and version, the key (a keyed
+    file's header MAC first), model type, config and KV dtype, ShadowKV config, policy, every tensor's name, shape and
+    dtype, the header digest, the model's weights; then the token ids against their hash, the structural tensors
+    (positions, masks, budgets) against what a document prefix holds, and, with `verify` (the default), every
+    tensor's digest and that float tensors are finite. Device tensors go to each layer's device; host values to
+    (pinned) host memory.
     """
     path = Path(path)
-    meta, found = _read_header(path)
+    if not isinstance(verify, bool):
+        raise PrefixOptionError(f"verify must be True or False, got {verify!r}.")
+    key = integrity.check_key_option(key)
+    if key is not None and not verify:
+        raise PrefixOptionError("load_prefix(key=...) authenticates the file, which needs verify=True.")
+    if not path.is_file():
+        raise PrefixCacheError(f"No prefix file at {path}.")
+    try:
+        opened = safe_open(path, framework="pt", device="cpu")
+    except Exception as err:  # the library's errors for truncated or malformed files vary by version
+        raise PrefixCacheError(f"{path} is not a readable safetensors file (truncated or damaged?): {err}") from err
+    with opened as f:
+        return _read_open(f, model, path, config, policy, overrides, verify, key)
+
+
+def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bool, key: bytes | None) -> PrefixState:
+    meta, found = _read_header(f, path)
     if meta.get("format") != FORMAT_NAME:
         raise PrefixCacheError(f"{path}: not a shadowkv_cache prefix (format {meta.get('format')!r}).")
     version = _field(meta, "version", int, path)
     if version != FORMAT_VERSION:
-        older = " (version 1 predates per-layer ranks, rank='auto')" if version < FORMAT_VERSION else ""
+        older = {
+            1: " (version 1 predates per-layer ranks, rank='auto')",
+            2: " (version 2 predates the digests of every tensor and the identity over every K/V weight)",
+        }.get(version, "")
         raise PrefixCacheError(
             f"{path} uses prefix format version {version}{older}; this shadowkv_cache reads version "
             f"{FORMAT_VERSION}. Prefill the document again with this version (or use the version that wrote it)."
+        )
+    sealed = _field(meta, integrity.FIELD, dict, path)
+    algorithm = sealed.get("algorithm")
+    if algorithm == integrity.KEYED and key is None:
+        raise PrefixCacheError(
+            f"{path} is signed with a key (HMAC-SHA256); pass the same key: load_prefix(..., key=b'...')."
+        )
+    if algorithm == integrity.UNKEYED and key is not None:
+        raise PrefixCacheError(
+            f"{path} was saved without a key, so it cannot be authenticated with one; save it again with "
+            "save_prefix(..., key=...), or load it without a key if you trust where it came from."
+        )
+    if algorithm not in (integrity.KEYED, integrity.UNKEYED):
+        raise PrefixCacheError(f"{path}: unknown integrity algorithm {algorithm!r} in the metadata (damaged header).")
+    if key is not None and not integrity.digests_equal(sealed.get("header"), integrity.header_digest(key, meta)):
+        raise PrefixCacheError(
+            f"{path}: the header's HMAC does not match under this key: a wrong key, or a file changed since it was "
+            "signed. Nothing was loaded."
         )
     dtype = _check_model(meta, model, path)
     saved_config, config = _check_config(meta, config, overrides, path)
@@ -200,20 +267,43 @@ def read_prefix(
     expected = expected_tensors(dims, config, length, dtype, _policy_specs(meta, policy, path), ranks)
     check_specs(found, expected, str(path))
     _check_value_codec(meta, value_codec(config.value_format, dims[2]), path)
+    digests = _field(sealed, "tensors", dict, path)
+    if sorted(digests) != sorted(found):
+        raise PrefixCacheError(f"{path}: the metadata has digests for other tensors than the file holds (damaged).")
+    _check_weights(meta, model, path)
 
     _, devices = kv_dtype_and_devices(model, dims[0])
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            token_ids = f.get_tensor("token_ids").clone()
-            if token_ids_sha256(token_ids) != _field(meta, "token_ids_sha256", str, path):
-                raise PrefixCacheError(f"{path}: the token ids do not match their hash (damaged file).")
-            budget = config.resolve(length, dims[1] * dims[2]).budget_chunks  # `sparse_budget` may change at load
-            layers = [_read_layer(f, i, devices[i], config, sizes, budget, path) for i in range(dims[0])]
+        # Views of the file's one mapping: nothing is copied until a layer is built.
+        tensors = {name: f.get_tensor(name) for name in found}
+        token_hash = _field(meta, "token_ids_sha256", str, path)
+        if token_ids_sha256(tensors["token_ids"]) != token_hash:
+            raise PrefixCacheError(f"{path}: the token ids do not match their hash (damaged file).")
+        budget = config.resolve(length, dims[1] * dims[2]).budget_chunks  # `sparse_budget` may change at load
+        for i in range(dims[0]):
+            _check_structure(tensors, i, sizes, path)
+        if verify:  # after the field-by-field checks, which name what is wrong; this catches the rest
+            if not integrity.digests_equal(sealed.get("header"), integrity.header_digest(key, meta)):
+                raise PrefixCacheError(f"{path}: the metadata does not match its digest (damaged header).")
+            _verify_tensors(tensors, digests, token_hash, key, path)
+        token_ids = tensors["token_ids"].clone()
+        layers = [_read_layer(tensors, i, devices[i], config, sizes, budget) for i in range(dims[0])]
     except PrefixCacheError:
         raise
     except Exception as err:  # a data region the header promised but the file lacks, an unreadable page
         raise PrefixCacheError(f"{path}: could not read the tensors (truncated or damaged?): {err}") from err
     return PrefixState(config, policy, token_ids, layers)
+
+
+def _verify_tensors(tensors: dict, digests: dict, token_hash: str, key: bytes | None, path: Path) -> None:
+    """Every tensor's digest (bound to the document's ids hash and its name), then that float tensors are finite."""
+    for name, digest in integrity.tensor_digests(key, token_hash, tensors).items():
+        if not integrity.digests_equal(digests.get(name), digest):
+            what = "its HMAC under this key" if key is not None else "its digest"
+            raise PrefixCacheError(f"{path}: tensor {name} does not match {what} (damaged or changed file).")
+    bad = [name for name, tensor in tensors.items() if integrity.non_finite(tensor)]
+    if bad:
+        raise PrefixCacheError(f"{path}: tensors {bad[:4]} hold NaN or inf; prefill the document again.")
 
 
 def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
@@ -238,14 +328,12 @@ def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
     return ranks
 
 
-def _read_layer(f, i: int, device: torch.device, config: ShadowKVConfig, sizes, budget: int, path: Path):
-    """One layer's `(prompt, keys, values)`; `sizes` are the saved config's, `budget` the chunks to select now."""
-    p = f"layers.{i}."
+def _check_structure(tensors: dict, i: int, sizes, path: Path) -> None:
+    """A document prefix has fixed structure: positions 0..Tc-1, every outlier and local slot real, C-O selectable
+    chunks per head, the budget of its config. A file that says otherwise is damaged."""
     if not sizes.num_chunks:
-        return None, f.get_tensor(p + "keys").to(device, copy=True), f.get_tensor(p + "values").to(device, copy=True)
-    t = {name: f.get_tensor(p + name) for name in CompressedPrompt.ROW_FIELDS}
-    # A document prefix has fixed structure: positions 0..Tc-1, every outlier and local slot real, C-O
-    # selectable chunks per head, the budget of its config. A file that says otherwise is damaged.
+        return
+    t = {name: tensors[f"layers.{i}.{name}"] for name in CompressedPrompt.ROW_FIELDS}
     structure_ok = (
         torch.equal(t["positions"][0], torch.arange(t["positions"].shape[1]))
         and int(t["budget_chunks"][0]) == sizes.budget_chunks
@@ -256,18 +344,27 @@ def _read_layer(f, i: int, device: torch.device, config: ShadowKVConfig, sizes, 
     )
     if not structure_ok:
         raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")
+
+
+def _read_layer(tensors: dict, i: int, device: torch.device, config: ShadowKVConfig, sizes, budget: int):
+    """One layer's `(prompt, keys, values)` from the checked `tensors`; `sizes` are the saved config's, `budget` the
+    chunks to select now."""
+    p = f"layers.{i}."
+    if not sizes.num_chunks:
+        return None, tensors[p + "keys"].to(device, copy=True), tensors[p + "values"].to(device, copy=True)
+    t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
     t["budget_chunks"] = torch.tensor([budget])
     codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
     prompt = CompressedPrompt(
         **{name: v.to(device, copy=True) for name, v in t.items()},
         policy_state={
-            k.removeprefix(p + "policy."): f.get_tensor(k).to(device, copy=True)
-            for k in f.keys()
+            k.removeprefix(p + "policy."): v.to(device, copy=True)
+            for k, v in tensors.items()
             if k.startswith(p + "policy.")
         },
         values=HostValueStore.from_encoded(
-            f.get_tensor(p + "host_values"),
-            f.get_tensor(p + "host_value_scales") if codec.scale_dtype is not None else None,
+            tensors[p + "host_values"],
+            tensors[p + "host_value_scales"] if codec.scale_dtype is not None else None,
             codec,
             pin=config.pin_memory and device.type == "cuda",
         ),
