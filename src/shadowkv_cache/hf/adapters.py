@@ -43,7 +43,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelAdapter",
     "ModelRope",
-    "attention_modules",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
@@ -226,11 +225,6 @@ def unpatch_model(model: nn.Module) -> None:
         # Models that were dropped without unpatching have left the weak dictionary, so they do not count.
         if not any(a.modeling_module is adapter.modeling_module for a in _ADAPTERS.values()):
             adapter.modeling_module.apply_rotary_pos_emb = adapter.apply_rotary
-
-
-def attention_modules(model: nn.Module) -> dict[int, weakref.ref]:
-    """`{layer_idx: weakref to the attention module}` of a patched model (patching it if needed)."""
-    return dict(patch_model(model).attention)
 
 
 def _remove_patch(model: nn.Module) -> None:
