@@ -110,6 +110,7 @@ def test_graphed_decode_across_chat_turns(cuda_model):
     assert_logits_close(results[True].logits, results[False].logits, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_smollm2_full_budget_exact_on_cuda(smollm2_cuda):
     model, tokenizer = smollm2_cuda
     ids = natural_text_ids(tokenizer, 4096 + 16).cuda()
@@ -124,6 +125,7 @@ def test_smollm2_full_budget_exact_on_cuda(smollm2_cuda):
     assert cache.layers[0].prompt.values.data.is_pinned()
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_default_fidelity_on_cuda(smollm2_cuda):
     model, tokenizer = smollm2_cuda
     model = model.to(torch.bfloat16)
