@@ -1,0 +1,61 @@
+"""What a new user meets: notices on the package's logger, progress bars that follow Transformers' switch, clear
+errors for common mistakes, and examples that do not crash on short documents."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import generate_with, left_pad, make_tiny_model, random_prompt, small_budget_overrides
+
+from shadowkv_cache import ShadowKVCache, unpatch_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # generate(past_key_values=...) on Transformers 5.24
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LOGGER = "shadowkv_cache"
+
+
+@pytest.fixture
+def model():
+    model = make_tiny_model("llama", seed=11)
+    yield model
+    unpatch_model(model)
+
+
+def kept_exact(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and "kept the prompt exact" in r.getMessage()]
+
+
+def test_short_prompt_is_logged_once_per_cache(model, caplog):
+    cache = ShadowKVCache(model, **small_budget_overrides(min_compress_len=64))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        out = generate_with(model, random_prompt(40), cache, max_new_tokens=4)
+        generate_with(model, torch.cat([out.sequences, random_prompt(8, seed=1)], 1), cache, max_new_tokens=4)
+    messages = kept_exact(caplog)
+    assert len(messages) == 1, messages  # two turns, 2 layers: one notice
+    assert "40 tokens < min_compress_len=64" in messages[0]
+    assert "pass min_compress_len=" in messages[0]
+    assert caplog.records[0].levelno == logging.WARNING  # shown without any logging set-up
+    assert not any(layer.is_compressed for layer in cache.layers)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):  # a new cache tells again
+        generate_with(model, random_prompt(40), ShadowKVCache(model, min_compress_len=64), max_new_tokens=2)
+    assert len(kept_exact(caplog)) == 2
+
+
+def test_compressed_prompt_logs_nothing(model, caplog):
+    cache = ShadowKVCache(model, **small_budget_overrides(min_compress_len=64))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        generate_with(model, random_prompt(200), cache, max_new_tokens=4)
+    assert all(layer.is_compressed for layer in cache.layers)
+    assert not kept_exact(caplog)
+
+
+def test_short_micro_batches_log_once(model, caplog):
+    ids, mask = left_pad([random_prompt(30, seed=2)[0], random_prompt(20, seed=3)[0]])
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, min_compress_len=64)
+    assert len(kept_exact(caplog)) == 1
