@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import generate_with, left_pad, make_tiny_model, random_prompt, small_budget_overrides
+from transformers.utils import logging as hf_logging
 
 from shadowkv_cache import ShadowKVCache, unpatch_model
 
@@ -59,3 +60,18 @@ def test_short_micro_batches_log_once(model, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, min_compress_len=64)
     assert len(kept_exact(caplog)) == 1
+
+
+def test_progress_bars_follow_transformers_switch(model, capsys):
+    ids = random_prompt(100)
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        ShadowKVCache.prefill(model, ids, progress=True, min_compress_len=64)
+        batch, mask = left_pad([ids[0], ids[0, :80]])
+        ShadowKVCache.prefill_batch(model, batch, mask, progress=True, min_compress_len=64)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "prefill" not in capsys.readouterr().err
+    ShadowKVCache.prefill(model, ids, progress=True, min_compress_len=64)
+    assert "prefill 100 tokens" in capsys.readouterr().err
