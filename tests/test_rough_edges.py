@@ -12,6 +12,7 @@ from helpers import generate_with, left_pad, make_tiny_model, random_prompt, sma
 from transformers.utils import logging as hf_logging
 
 from shadowkv_cache import ShadowKVCache, unpatch_model
+from shadowkv_cache.prefix import batch_questions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # generate(past_key_values=...) on Transformers 5.24
 
@@ -75,3 +76,25 @@ def test_progress_bars_follow_transformers_switch(model, capsys):
     assert "prefill" not in capsys.readouterr().err
     ShadowKVCache.prefill(model, ids, progress=True, min_compress_len=64)
     assert "prefill 100 tokens" in capsys.readouterr().err
+
+
+def test_batch_questions_without_a_pad_token(model):
+    """Llama 3 and Mistral tokenizers have no pad token (`pad_token_id` None): pads are masked, so any id works."""
+    document, questions = random_prompt(80)[0], [random_prompt(3, seed=4)[0], random_prompt(6, seed=5)[0]]
+    ids, mask = batch_questions(document, questions, None)
+    padded, _ = batch_questions(document, questions, 7)
+    assert ids.shape == padded.shape == (2, 86)
+    real = mask.bool()
+    assert torch.equal(ids[real], padded[real]) and (ids[~real] == 0).all() and (padded[~real] == 7).all()
+    doc = ShadowKVCache.prefill(model, document, **small_budget_overrides(min_compress_len=64))
+    with torch.no_grad():
+        kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+        a = model.generate(ids, past_key_values=doc.fork(2), pad_token_id=0, **kwargs)
+        b = model.generate(padded, past_key_values=doc.fork(2), pad_token_id=0, **kwargs)
+    assert torch.equal(a[:, 86:], b[:, 86:])  # the pad id does not matter
+
+
+@pytest.mark.parametrize("bad", ["0", 1.5, -1, True])
+def test_batch_questions_bad_pad_names_the_fix(bad):
+    with pytest.raises(TypeError, match="eos_token_id"):
+        batch_questions([1, 2, 3], [[4]], bad)
