@@ -3,6 +3,7 @@ errors for common mistakes, and examples that do not crash on short documents.""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from helpers import generate_with, left_pad, make_tiny_model, random_prompt, small_budget_overrides
 from transformers.utils import logging as hf_logging
 
-from shadowkv_cache import ShadowKVCache, unpatch_model
+from shadowkv_cache import ShadowKVCache, embedded_models, unpatch_model
 from shadowkv_cache.prefix import batch_questions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # generate(past_key_values=...) on Transformers 5.24
@@ -98,3 +99,17 @@ def test_batch_questions_without_a_pad_token(model):
 def test_batch_questions_bad_pad_names_the_fix(bad):
     with pytest.raises(TypeError, match="eos_token_id"):
         batch_questions([1, 2, 3], [[4]], bad)
+
+
+def test_missing_gguf_says_how_to_install(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "gguf" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModuleNotFoundError, match=r"shadowkv-cache\[models\]"):
+        embedded_models._convert_gguf(gguf, tmp_path / "converted", {"format": 1})
+    assert not (tmp_path / "converted").exists()
