@@ -79,6 +79,13 @@ def test_progress_bars_follow_transformers_switch(model, capsys):
     assert "prefill 100 tokens" in capsys.readouterr().err
 
 
+def test_model_config_passed_as_config_names_the_fix(model):
+    with pytest.raises(TypeError, match="ShadowKVConfig") as info:
+        ShadowKVCache(model, config=model.config)
+    message = str(info.value)
+    assert "LlamaConfig" in message and "sparse_budget=1024" in message
+
+
 def test_batch_questions_without_a_pad_token(model):
     """Llama 3 and Mistral tokenizers have no pad token (`pad_token_id` None): pads are masked, so any id works."""
     document, questions = random_prompt(80)[0], [random_prompt(3, seed=4)[0], random_prompt(6, seed=5)[0]]
