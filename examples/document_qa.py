@@ -175,7 +175,6 @@ def main() -> None:
         f"{report.host_bytes / 2**20:.1f} MiB of values in host memory, {report.gpu_bytes / 2**20:.1f} MiB on "
         f"the {args.device} device (a DynamicCache would hold {report.dynamic_cache_bytes / 2**20:.1f} MiB).\n"
     )
-    shadow_s = ready_s + answer_s
 
     if not args.no_baseline:
         cache, dynamic_prefill_s = prefill_dynamic(model, document_ids)
@@ -186,20 +185,38 @@ def main() -> None:
             f"DynamicCache: prefilled the document in {dynamic_prefill_s:.1f} s, answered in {dynamic_answer_s:.1f} s."
         )
         print_answers(questions, dynamic_answers, expected)
-        dynamic_s = dynamic_prefill_s + dynamic_answer_s
 
-    print(f"Summary (end to end: prefill or load, then answering the {len(questions)} questions)")
-    print(f"  ShadowKVCache: {ready} {ready_s:.1f} s + answers {answer_s:.1f} s = {shadow_s:.1f} s")
-    if not args.no_baseline:
-        print(
-            f"  DynamicCache:  prefill {dynamic_prefill_s:.1f} s + answers {dynamic_answer_s:.1f} s = {dynamic_s:.1f} s"
-        )
-        print(f"  end to end, ShadowKVCache is {relative(shadow_s, dynamic_s)} than DynamicCache")
+    dynamic = (dynamic_prefill_s, dynamic_answer_s) if not args.no_baseline else None
+    print("\n".join(summary(len(questions), ready, ready_s, answer_s, dynamic, load_s, prefill_s)))
+
+
+def summary(
+    questions: int,
+    ready: str,
+    ready_s: float,
+    answer_s: float,
+    dynamic: tuple[float, float] | None,
+    load_s: float | None,
+    prefill_s: float | None,
+) -> list[str]:
+    """The closing lines: both end-to-end times, their ratio, and (labelled apart) a load against a prefill."""
+    shadow_s = ready_s + answer_s
+    lines = [
+        f"Summary (end to end: prefill or load, then answering the {questions} questions)",
+        f"  ShadowKVCache: {ready} {ready_s:.1f} s + answers {answer_s:.1f} s = {shadow_s:.1f} s",
+    ]
+    if dynamic is not None:
+        dynamic_s = sum(dynamic)
+        lines += [
+            f"  DynamicCache:  prefill {dynamic[0]:.1f} s + answers {dynamic[1]:.1f} s = {dynamic_s:.1f} s",
+            f"  end to end, ShadowKVCache is {relative(shadow_s, dynamic_s)} than DynamicCache",
+        ]
     if load_s is not None and prefill_s is not None:
-        print(
+        lines.append(
             f"  load vs prefill of ShadowKV's document alone: {load_s:.2f} s vs {prefill_s:.1f} s (the prefill timed "
             "by the run that saved the file): the time a load saves, not a speed-up of answering"
         )
+    return lines
 
 
 def relative(ours: float, theirs: float) -> str:

@@ -142,3 +142,22 @@ def test_demo_memory_line_when_the_prompt_stayed_exact(model):
     assert "hit rate n/a" in describe_memory(compressed, "cpu", 5000, 4096)
     compressed = MemoryReport((LayerMemory(0, "shadowkv", 10, 20, 40, 8, 32),), hit_rate=0.5)
     assert "hit rate 50%" in describe_memory(compressed, "cpu", 5000, 4096)
+
+
+def test_document_qa_compares_end_to_end_times():
+    """A load (seconds) set against a prefill (a minute) was reported as a speed-up ("166x"); the summary now
+    compares end-to-end times and labels the load against the prefill as what it is."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from document_qa import summary
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    lines = summary(3, "load", 0.5, 60.0, (80.0, 40.0), 0.5, 83.0)
+    text = "\n".join(lines)
+    assert "ShadowKVCache: load 0.5 s + answers 60.0 s = 60.5 s" in text
+    assert "DynamicCache:  prefill 80.0 s + answers 40.0 s = 120.0 s" in text
+    assert "end to end, ShadowKVCache is 2.0x faster than DynamicCache" in text
+    assert "load vs prefill of ShadowKV's document alone: 0.50 s vs 83.0 s" in text and "166" not in text
+    slower = "\n".join(summary(3, "prefill", 83.0, 60.0, (80.0, 40.0), None, 83.0))
+    assert "1.2x slower" in slower and "load vs prefill" not in slower
+    assert "DynamicCache" not in "\n".join(summary(3, "load", 0.5, 60.0, None, 0.5, None))
