@@ -8,10 +8,10 @@ message, is prefilled once (with a progress bar) and compressed; `/save` writes 
 this document for this model and these settings.
 
     python examples/chat.py                                   # the embedded SmolLM2-135M-Instruct
-    python examples/chat.py --document handbook.txt           # answers about a document
+    python examples/chat.py --document DOCUMENT               # answers about a text file
     python examples/chat.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --dtype bfloat16
-    python examples/chat.py --document handbook.txt --turns questions.txt   # one turn per line, no prompt
-    echo "What is the vault code?" | python examples/chat.py --document handbook.txt
+    python examples/chat.py --document DOCUMENT --turns TURNS   # one user turn per line, no prompt
+    echo "What is the vault code?" | python examples/chat.py --document DOCUMENT
 
 Commands: /reset (forget the conversation, keep the document), /memory (the cache's memory report), /save (write
 the document's prefix file), /help, /quit. Prompts shorter than `--min-compress-len` (4096 by default) stay exact.

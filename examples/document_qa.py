@@ -13,7 +13,7 @@ its three questions, and marks each answer correct or wrong.
     python examples/document_qa.py                          # first run: prefill + save, then answer
     python examples/document_qa.py                          # later runs: load + answer
     python examples/document_qa.py --fresh                  # prefill and save again
-    python examples/document_qa.py --document notes.txt --question "Who signed the lease?" --question "When?"
+    python examples/document_qa.py --document DOCUMENT --question "Who signed the lease?" --question "When?"
 """
 
 from __future__ import annotations
