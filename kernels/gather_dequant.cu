@@ -15,6 +15,8 @@
 #define GD_WARPS 8                               // records per block of 256 threads
 #define GD_MAX_WORDS 65                          // (D + 4) / 4 at D = 256, p = 2: the largest record
 
+/// \brief One warp per selected (row, head, token): read its record in place, write its key and value.
+///
 /// \param keys, values  [B, Hkv, K, D] T, out
 /// \param ids           [B, Hkv, K] int64 token of each slot (< N)
 /// \param host          pinned records [R, Hkv, N, E], device-visible pointer; record (r, h, t) at

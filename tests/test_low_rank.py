@@ -76,9 +76,24 @@ def test_bad_arguments_raise(shape, rank):
         factorize_keys(torch.randn(shape), rank)
 
 
-def test_landmarks_are_chunk_means():
-    chunk_keys = torch.randn(NUM_KV_HEADS, 6, 8, 16)
-    torch.testing.assert_close(chunk_landmarks(chunk_keys), chunk_keys.mean(dim=-2))
+def test_landmarks_are_the_centroids_of_their_own_chunks():
+    """A chunk's keys deviate from its landmark by zero in sum; a chunk of one repeated key has that key; the
+    order of a chunk's keys does not matter, and neither do the other chunks' keys."""
+    gen = torch.Generator().manual_seed(0)
+    chunk_keys = torch.randn(NUM_KV_HEADS, 6, 8, 16, generator=gen)
+    chunk_keys[:, 2] = chunk_keys[:, 2, :1]  # chunk 2: one key eight times
+    landmarks = chunk_landmarks(chunk_keys)
+    assert landmarks.shape == (NUM_KV_HEADS, 6, 16) and landmarks.dtype == chunk_keys.dtype
+    deviation = (chunk_keys - landmarks[..., None, :]).sum(dim=-2)
+    torch.testing.assert_close(deviation, torch.zeros_like(deviation), rtol=0, atol=1e-5)
+    torch.testing.assert_close(landmarks[:, 2], chunk_keys[:, 2, 0])
+    shuffled = chunk_keys[:, :, torch.randperm(8, generator=gen)]
+    torch.testing.assert_close(chunk_landmarks(shuffled), landmarks)
+    changed = chunk_keys.clone()
+    changed[:, 4] = torch.randn(NUM_KV_HEADS, 8, 16, generator=gen)
+    kept = [0, 1, 2, 3, 5]
+    assert torch.equal(chunk_landmarks(changed)[:, kept], landmarks[:, kept])
+    assert not torch.equal(chunk_landmarks(changed)[:, 4], landmarks[:, 4])
 
 
 @pytest.mark.parametrize("planted", [[5], [0, 11], [3, 7, 12]])

@@ -213,6 +213,7 @@ def test_beam_search_over_a_shared_document_runs(document, question):
     assert out.sequences.shape == (1, DOC + 6 + NEW_TOKENS)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_smollm2_document_saved_loaded_and_shared(smollm2, tmp_path):
     """The real model (30 layers, GQA 9/3): a loaded prefix answers a batch of two questions as the in-memory

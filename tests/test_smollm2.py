@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 PROMPT = 2048
 STEPS = 16

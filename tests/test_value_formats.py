@@ -293,6 +293,7 @@ def test_higgs4_needs_a_power_of_two_head_dim():
 # -- the real model --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_smollm2_fidelity_per_value_format(smollm2):
     """SmolLM2 at 3K tokens, the default budget (rank 32, 256 tokens, 4 outliers), teacher-forced for 48 steps

@@ -338,6 +338,7 @@ SMOL_FLOOR_AGREEMENT = 0.93
 SMOL_CEIL_KL = 0.06
 
 
+@pytest.mark.slow
 def test_smollm2_fidelity_at_a_modest_budget(smollm2):
     """SmolLM2 (head dim 64, 3 KV heads) at 2K tokens, 128 tokens per KV head (~6% of the prompt)."""
     from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids

@@ -117,9 +117,16 @@ def test_residual_brings_each_key_closer_than_its_landmark():
     assert (exact - with_residual).norm() < 0.8 * (exact - landmarks).norm()
 
 
-def test_residual_device_bits():
-    assert ResidualLandmarkTopK().device_bits_per_value(128) == pytest.approx(4.125 / 8 + 1.125)
-    assert ResidualLandmarkTopK().device_bits_per_value(64) == pytest.approx(4.25 / 8 + 1.25)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_residual_device_bits_are_the_state_it_keeps(dim):
+    """`device_bits_per_value` is what `prepare` keeps per key coordinate (whole groups of 8 keys): fewer bits
+    than YAKV's ~2-bit scoring copy."""
+    policy = ResidualLandmarkTopK()
+    keys = keys_with_padding([64, 64], dim=dim)
+    state = policy.prepare(keys)
+    bits = 8 * sum(t.numel() * t.element_size() for t in state.values()) / keys.numel()
+    assert policy.device_bits_per_value(dim) == pytest.approx(bits)
+    assert 1.5 < bits < HiggsQuantizer(dim, QuantizedKeyTopK().grid_dim).bits_per_value
 
 
 def test_residual_state_bytes_on_the_device(llama):

@@ -7,6 +7,7 @@ tokens per head, D head dim, p grid dim.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -15,9 +16,9 @@ from helpers import generate_with, make_tiny_model, random_prompt
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
-from shadowkv_cache.ops.loader import kernels_available
+from shadowkv_cache.ops.loader import kernels_available, load_kernels
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
-from shadowkv_cache.ops.score_codes import code_scores, code_scores_reference
+from shadowkv_cache.ops.score_codes import _SOFTMAX_TILE, _THREADS, attention_scores, code_scores, code_scores_reference
 from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
 from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
 
@@ -238,6 +239,50 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     picked = want[1:].gather(-1, got[1:].topk(k, dim=-1).indices)
     kth = want[1:].topk(k, dim=-1).values[..., -1:]
     assert bool((picked >= kth * (1 - 1e-3) - 1e-6 * want.amax()).all())
+
+
+def tile_states(logits: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile softmax states `[..., NT]` of `logits` `[..., N]` (-inf where not selectable), as a first pass
+    writes them: each tile's max (-inf for a tile with nothing selectable) and sum of exp(logit - max)."""
+    tiles = -(-logits.shape[-1] // tile)
+    padded = torch.nn.functional.pad(logits, (0, tiles * tile - logits.shape[-1]), value=float("-inf"))
+    padded = padded.view(*logits.shape[:-1], tiles, tile)
+    part_max = padded.amax(-1)
+    part_sum = (padded - part_max.nan_to_num(neginf=0.0)[..., None]).exp().sum(-1)
+    return part_max.contiguous(), part_sum.contiguous()
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, num, tile",
+    [
+        (2, 3, 4, 2500, 1024),  # the first pass's tiles
+        (1, 2, 1, 1024, 1024),
+        (3, 1, 8, 37, 1024),
+        (2, 2, 3, 5000, 300),  # other tiles: the merge does not depend on where they cut
+    ],
+)
+def test_softmax_group_max_kernel_matches_twin(batch, kv_heads, group, num, tile):
+    """The second pass alone: `attention_scores` (one query token) from logits and per-tile states made here.
+    The kernel exponentiates with `__expf` and merges the tiles' sums in its own order: ~1e-6 relative."""
+    torch.manual_seed(2)
+    logits = torch.randn(batch, kv_heads, group, num, device=CUDA) * 4
+    selectable = torch.rand(batch, kv_heads, num, device=CUDA) < 0.8
+    selectable[0, 0] = False  # a head with nothing selectable scores 0
+    selectable[-1, -1, : min(num, 2 * tile)] = False  # whole tiles with nothing selectable
+    selectable[-1, -1, -1] = True
+    masked = logits.masked_fill(~selectable[:, :, None, :], float("-inf")).contiguous()
+    part_max, part_sum = tile_states(masked, tile)
+    scores = torch.full((batch, kv_heads, num), float("nan"), device=CUDA)
+    i32 = ctypes.c_int
+    load_kernels("softmax_group_max", CUDA).launch(
+        "softmax_group_max",
+        grid=(-(-num // _SOFTMAX_TILE), kv_heads, batch),
+        block=(_THREADS, 1, 1),
+        args=[scores, masked, part_max, part_sum, (kv_heads, i32), (group, i32), (num, i32), (part_max.shape[-1], i32)],
+    )
+    want = attention_scores(logits, selectable, group)
+    torch.testing.assert_close(scores, want, rtol=1e-4, atol=1e-7)
+    assert scores[0, 0].eq(0).all() and scores[~selectable].eq(0).all()
 
 
 def test_code_scores_kernel_reads_a_shared_document_in_place():

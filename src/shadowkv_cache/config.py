@@ -14,15 +14,17 @@ __all__ = ["RANK_RULES", "ResolvedSizes", "ShadowKVConfig", "VALUE_FORMATS"]
 VALUE_FORMATS = ("native", "fp8", "higgs4")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale.
-# rank="auto": per layer (and row), the smallest rank whose factors keep this share of the pre-RoPE key energy (the
-# sum of the eigenvalues of KᵀK), clamped to [floor, ceiling] shares of Hkv*D. Calibrated on natural text and the
-# accuracy tasks (benchmarks/defaults.py; docs/design.md §2).
-_AUTO_ENERGY = 0.99
+# rank="auto": per layer (and row), the smallest rank (a multiple of 8) whose rebuilt keys keep the attention logits
+# of the prompt's last queries within `auto_rank_error`, clamped to [floor, ceiling] shares of Hkv*D (docs/design.md
+# §2; calibrated in benchmarks/results/defaults_*.md).
 _AUTO_FLOOR_SHARE = 0.125
 _AUTO_CEILING_SHARE = 0.75
+AUTO_QUERIES = 32  # the last prompt queries the rule measures against
 RANK_RULES = ("auto",)
 _BUDGET_SHARE = 0.015625  # 2048 / 131072
-_BUDGET_FLOOR = 256
+# Below 64K tokens the paper's share gives fewer than 1024 tokens, where landmark selection loses needles on small
+# models (SmolLM2 at 8K: mean KL to full attention 0.11 at 512 tokens, 0.06 at 1024, with the same keys).
+_BUDGET_FLOOR = 1024
 _OUTLIER_SHARE = 0.003  # ~48 chunks of 16384
 _OUTLIER_FLOOR = 4
 # YAKV fetches ~4-bit keys and values (~1.03*D bytes per token and head at D = 128) where ShadowKV fetches bf16
@@ -45,14 +47,15 @@ class ShadowKVConfig:
     Args:
         rank (`str`, `int` or `float`, *optional*, defaults to `"auto"`):
             Rank of the joint low-rank factorisation of the pre-RoPE keys. `"auto"` (or `None`): per layer, the
-            smallest rank whose factors keep 99% of the keys' energy (the eigenvalues of KᵀK), clamped to
-            [12.5%, 75%] of `Hkv*D`; the rank each layer chose is in `memory_report()`. An int is absolute and must
-            be `<= Hkv*D`; a float in (0, 1] is that share of `Hkv*D`. Capped at the number of compressed tokens.
+            smallest rank (a multiple of 8) whose rebuilt keys keep the attention logits of the prompt's last 32
+            queries within `auto_rank_error` (10%, relative, logits centred), clamped to [12.5%, 75%] of `Hkv*D`;
+            the rank each layer chose is in `memory_report()`. An int is absolute and must be `<= Hkv*D`; a float in
+            (0, 1] is that share of `Hkv*D`. Capped at the number of compressed tokens.
         chunk_size (`int`, *optional*, defaults to 8):
             Tokens per chunk; one landmark (mean post-RoPE key) per chunk.
         sparse_budget (`int` or `float`, *optional*):
             Tokens selected per KV head, per row, per layer and step (outliers, local window and generated tokens
-            come on top). A float in (0, 1) is that share of the prompt. Defaults to `max(256, 1.5625% of S)`.
+            come on top). A float in (0, 1) is that share of the prompt. Defaults to `max(1024, 1.5625% of S)`.
             Rounded up to whole chunks and clamped to the selectable chunks.
         outlier_chunks (`int` or `float`, *optional*):
             Chunks per KV head kept exact on the accelerator because their keys disagree most with their
@@ -90,6 +93,10 @@ class ShadowKVConfig:
             YAKV: grid dimension of the device copy of the keys that scores every token (4 -> ~2 bits).
         recent_window (`int`, *optional*, defaults to 64):
             YAKV: last prompt tokens kept exact on the device.
+        auto_rank_error (`float`, *optional*, defaults to 0.1):
+            `rank="auto"`: the relative error of the attention logits (the prompt's last queries against keys
+            rebuilt from the factors, logits centred) that each layer's rank must stay within. Lower keeps more rank
+            (more device memory, closer to full attention).
 
     >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
     8
@@ -109,6 +116,7 @@ class ShadowKVConfig:
     host_grid_dim: int = 2
     score_grid_dim: int = 4
     recent_window: int = 64
+    auto_rank_error: float = 0.1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -166,6 +174,8 @@ class ShadowKVConfig:
         for name in ("host_grid_dim", "score_grid_dim"):
             if type(getattr(self, name)) is not int or getattr(self, name) not in _GRID_DIMS:
                 raise bad(name, getattr(self, name), f"use one of {_GRID_DIMS} (~4 / 2 / 1 bits per value).")
+        if not _is_number(self.auto_rank_error) or not 0 < self.auto_rank_error < math.inf:
+            raise bad("auto_rank_error", self.auto_rank_error, "use a positive number (the default is 0.1).")
         if not isinstance(self.recent_window, int) or isinstance(self.recent_window, bool) or self.recent_window < 0:
             raise bad("recent_window", self.recent_window, "use an int >= 0 (the YAKV study uses 64).")
         if self.mode == "yakv":
@@ -216,16 +226,16 @@ class ShadowKVConfig:
         local = num_tokens - num_chunks * c
         compressed = num_chunks * c
 
-        energy = None
+        max_error = None
         if self.rank is None or self.rank in RANK_RULES:
-            energy = _AUTO_ENERGY
+            max_error = self.auto_rank_error
             floor, rank = math.ceil(_AUTO_FLOOR_SHARE * key_dim), math.ceil(_AUTO_CEILING_SHARE * key_dim)
         elif isinstance(self.rank, float):
             rank = max(1, math.ceil(self.rank * key_dim))
         else:
             rank = self.rank
         rank = min(rank, key_dim, compressed)
-        floor = min(floor, rank) if energy is not None else rank
+        floor = min(floor, rank) if max_error is not None else rank
 
         if self.outlier_chunks is None:
             outliers = max(_OUTLIER_FLOOR, math.ceil(_OUTLIER_SHARE * num_tokens / c))
@@ -242,15 +252,16 @@ class ShadowKVConfig:
         else:
             budget = self.sparse_budget
         budget_chunks = min(math.ceil(budget / c), num_chunks - outliers)
-        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, energy)
+        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, max_error)
 
 
 @dataclass(frozen=True)
 class ResolvedSizes:
     """What `ShadowKVConfig.resolve` decided for one row: chunks, rank, selected chunks, outliers, local tokens.
 
-    `rank` is the rank of the key factors, or, when `energy` is set (`rank="auto"`), the largest rank allowed: the
-    factorisation then keeps the smallest rank in `[min_rank, rank]` whose factors hold `energy` of the keys' energy.
+    `rank` is the rank of the key factors, or, when `max_logit_error` is set (`rank="auto"`), the largest rank
+    allowed: the factorisation then keeps the smallest rank in `[min_rank, rank]` whose keys keep the attention
+    logits of the prompt's last queries within that relative error.
     """
 
     num_chunks: int
@@ -259,4 +270,4 @@ class ResolvedSizes:
     outliers: int
     local: int
     min_rank: int = 0
-    energy: float | None = None
+    max_logit_error: float | None = None

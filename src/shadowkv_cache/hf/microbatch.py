@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.utils.logging import is_progress_bar_enabled
 
 from ..prefix import PrefixCacheError
 from ..shadowkv.prompt import CompressedPrompt, local_only_prompt
@@ -89,6 +90,7 @@ def prefill_parts(
     positions = position_ids(attention_mask)
     parts = []
     bar = None
+    progress = progress and is_progress_bar_enabled()  # transformers.utils.logging.disable_progress_bar() silences it
     if progress:
         from tqdm import tqdm
 

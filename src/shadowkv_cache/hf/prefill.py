@@ -6,6 +6,7 @@ import inspect
 
 import torch
 from torch import nn
+from transformers.utils.logging import is_progress_bar_enabled
 
 from ..prefix.identity import kv_dtype_and_devices
 from ..prefix.use import as_prefix_ids
@@ -15,7 +16,7 @@ __all__ = ["prefill", "run_prompt"]
 
 def prefill(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool = False) -> None:
     """Run the document `input_ids` (`[S]` or `[1, S]`) through `model` into `cache` (one forward, no logits
-    kept but the last), with a per-layer progress bar if `progress`."""
+    kept but the last), with a per-layer progress bar if `progress` (and Transformers' progress bars are on)."""
     run_prompt(model, as_prefix_ids(input_ids)[None], cache, progress=progress)
 
 
@@ -28,6 +29,7 @@ def run_prompt(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool 
     inputs = {k: v.to(device) for k, v in inputs.items()}
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     hooks = []
+    progress = progress and is_progress_bar_enabled()  # transformers.utils.logging.disable_progress_bar() silences it
     if progress:
         from tqdm import tqdm
 

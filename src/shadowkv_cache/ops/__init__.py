@@ -1,5 +1,24 @@
-"""Hot-path operations. Each has a PyTorch twin that defines its meaning (the CPU path)."""
+"""Hot-path operations. Each has a PyTorch twin that defines its meaning (the CPU path).
+
+`KERNELS` names, for every CUDA source `kernels/<stem>.cu`, the op module that launches it and the twin that
+defines what it computes (design.md §10); a test holds it equal to the sources. Module paths are strings, so
+reading the registry imports nothing.
+"""
 
 from .rebuild_keys import rebuild_keys
 
-__all__ = ["rebuild_keys"]
+__all__ = ["KERNELS", "rebuild_keys"]
+
+# kernel stem -> (op module that launches it, name of its PyTorch twin in that module)
+KERNELS: dict[str, tuple[str, str]] = {
+    "gather_dequant": ("shadowkv_cache.ops.gather_dequant", "gather_dequant_reference"),
+    "gather_values": ("shadowkv_cache.ops.gather_values", "gather_values_reference"),
+    "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),
+    # RoPE of the missed slots after the batched A·B product; `rebuild_keys` defines the rebuilt keys.
+    "rebuild_keys": ("shadowkv_cache.ops.rebuild_keys", "rebuild_keys"),
+    # First pass of `code_scores` (logits and per-tile softmax states); with the second pass, the twin's scores.
+    "score_codes": ("shadowkv_cache.ops.score_codes", "code_scores_reference"),
+    # Second pass of `code_scores`: softmax over the selectable units, max over each GQA group.
+    "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),
+    "temporal_scan": ("shadowkv_cache.ops.temporal_scan", "temporal_scan_reference"),
+}

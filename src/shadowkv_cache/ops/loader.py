@@ -254,10 +254,12 @@ def kernels_available(device: torch.device) -> bool:
     try:
         _cuda_bindings()
     except KernelError as err:
-        import warnings
+        import logging
 
-        _FAILED["cuda-python"] = str(err)
-        warnings.warn(f"{err} Falling back to the slower PyTorch path, which synchronises with the host.", stacklevel=3)
+        _FAILED["cuda-python"] = str(err)  # so this is logged once per process
+        logging.getLogger("shadowkv_cache").warning(
+            "%s Falling back to the slower PyTorch path, which synchronises with the host.", err
+        )
         return False
     return True
 

@@ -310,14 +310,14 @@ def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
     """Each layer's rank of the key factors (0 for an exact layer), checked against the rule that chose it."""
     ranks = _field(meta, "ranks", list, path)
     if sizes.num_chunks:
-        low = sizes.min_rank if sizes.energy is not None else sizes.rank
+        low = sizes.min_rank if sizes.max_logit_error is not None else sizes.rank
         fits = all(type(r) is int and low <= r <= sizes.rank for r in ranks)
     else:
         fits = all(type(r) is int and r == 0 for r in ranks)
     if len(ranks) != num_layers or not fits:
         if not sizes.num_chunks:
             wanted = "0 (exact layers)"
-        elif sizes.energy is None:
+        elif sizes.max_logit_error is None:
             wanted = str(sizes.rank)
         else:
             wanted = f"{sizes.min_rank}..{sizes.rank}"

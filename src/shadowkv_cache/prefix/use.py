@@ -5,6 +5,8 @@ Legend: S prefix tokens, N questions, Q question tokens.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .errors import PrefixCacheError
@@ -53,16 +55,20 @@ def check_prefix_ids(prefix_ids: torch.Tensor, input_ids: torch.Tensor, rows: in
         )
 
 
-def batch_questions(prefix_ids, questions, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_questions(prefix_ids, questions, pad_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`input_ids` and `attention_mask` (`[N, S + max Q]`) that ask N questions over one prefix in one batch.
 
     Rows are `[document][left-padded question]`, the layout a `cache.fork(batch_size=N)` expects: the pads sit
     between the document and the question and are masked. `generate` derives positions from the mask's
     cumulative sum, so a question's tokens get the positions they get alone (`S, S+1, ...`).
 
+    Since pads are masked, any token id will do as `pad_token_id`; `None` (the `pad_token_id` of tokenizers without
+    a pad token, such as Llama 3's and Mistral's) pads with the id 0.
+
     >>> ids, mask = batch_questions(doc.prefix_ids, [q1, q2], tokenizer.pad_token_id)  # doctest: +SKIP
     >>> model.generate(ids, attention_mask=mask, past_key_values=doc.fork(2), max_new_tokens=32)  # doctest: +SKIP
     """
+    pad_token_id = _pad_id(pad_token_id)
     prefix = as_prefix_ids(prefix_ids)
     rows = [as_prefix_ids(q) for q in questions]
     if not rows:
@@ -76,3 +82,18 @@ def batch_questions(prefix_ids, questions, pad_token_id: int) -> tuple[torch.Ten
         ids[i, ids.shape[1] - len(q) :] = q
         mask[i, ids.shape[1] - len(q) :] = 1
     return ids, mask
+
+
+def _pad_id(pad_token_id) -> int:
+    if pad_token_id is None:
+        return 0
+    try:
+        pad = operator.index(pad_token_id) if not isinstance(pad_token_id, bool) else -1
+    except TypeError:
+        pad = -1
+    if pad < 0:
+        raise TypeError(
+            f"pad_token_id must be a token id (an int >= 0) or None, got {pad_token_id!r}; pads are masked, so any id "
+            "will do (e.g. tokenizer.eos_token_id)."
+        )
+    return pad

@@ -54,11 +54,23 @@ class ShadowKVMode:
         real: torch.Tensor,
         recent_queries: torch.Tensor | None,
         scaling: float | None,
+        rank_queries: torch.Tensor | None = None,
     ) -> bool:
         """Compress a prefilled prompt (`[B, Hkv, S, D]` keys before and after RoPE, values, `[B, S]` positions and
-        real-token mask); False when no row is long enough (the layer then stays exact)."""
+        real-token mask; the policy's observation window and the queries `rank="auto"` measures against, each
+        `[B, Hq, W, D]`); False when no row is long enough (the layer then stays exact)."""
         prompt = compress_prompt(
-            keys_pre, keys, values, positions, real, self.config, self.policy, recent_queries, scaling
+            keys_pre,
+            keys,
+            values,
+            positions,
+            real,
+            self.config,
+            self.policy,
+            recent_queries,
+            scaling,
+            rank_queries,
+            self.rope,
         )
         self.set_prompt(prompt)
         return prompt is not None

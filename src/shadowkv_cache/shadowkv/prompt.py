@@ -17,8 +17,9 @@ import torch
 
 from ..config import ShadowKVConfig
 from ..core.landmarks import chunk_landmarks, outlier_chunks
-from ..core.low_rank import factorize_keys
+from ..core.low_rank import RankProbe, factorize_keys
 from ..core.rows import local_window, share_rows, stored_once_nbytes, with_rows
+from ..ops.rebuild_keys import RopeFn
 from ..policies.base import SelectionPolicy
 from ..stores.value_store import HostValueStore
 
@@ -188,6 +189,8 @@ def compress_prompt(
     policy: SelectionPolicy,
     recent_queries: torch.Tensor | None = None,
     scaling: float | None = None,
+    rank_queries: torch.Tensor | None = None,
+    rope: RopeFn | None = None,
 ) -> CompressedPrompt | None:
     """Compress a prefilled prompt, or return `None` when no row is long enough.
 
@@ -199,6 +202,9 @@ def compress_prompt(
         real (`torch.Tensor`): `[B, S]` bool, True on real tokens (a left-padded suffix of each row).
         recent_queries (`torch.Tensor`, *optional*): `[B, Hq, W, D]` the last prefill queries, for policies
             with an observation window (SnapKV), with the attention `scaling`.
+        rank_queries (`torch.Tensor`, *optional*): `[B, Hq, W', D]` the last prefill queries that `rank="auto"`
+            measures the logit error against, with the model's `rope`; without them an automatic rank is the
+            ceiling of its rule.
     """
     batch, heads, slots, dim = keys.shape
     c = config.chunk_size
@@ -217,7 +223,10 @@ def compress_prompt(
         if size.num_chunks:
             span = slice(slots - n, slots - n + size.num_chunks * c)
             row_keys = keys_pre[row, :, span].transpose(0, 1).reshape(size.num_chunks * c, heads * dim)
-            factors[row] = factorize_keys(row_keys, size.rank, size.energy, size.min_rank)
+            probe = None
+            if rank_queries is not None and rope is not None:
+                probe = RankProbe(rank_queries[row], keys[row, :, span], positions[row, span], rope)
+            factors[row] = factorize_keys(row_keys, size.rank, size.max_logit_error, size.min_rank, probe)
     rank = max(f[0].shape[1] for f in factors if f is not None)
     a = keys.new_zeros((batch, num_chunks * c, rank))
     b = keys.new_zeros((batch, rank, heads, dim))

@@ -68,9 +68,11 @@ class YakvMode:
         real: torch.Tensor,
         recent_queries: torch.Tensor | None,
         scaling: float | None,
+        rank_queries: torch.Tensor | None = None,
     ) -> bool:
-        """Quantise a prefilled prompt (same arguments as `ShadowKVMode.compress`; keys are kept after RoPE, so the
-        pre-RoPE keys and positions are not needed); False when no row is long enough."""
+        """Quantise a prefilled prompt (same arguments as `ShadowKVMode.compress`; keys are kept after RoPE and not
+        factorised, so the pre-RoPE keys, positions and `rank_queries` are not needed); False when no row is long
+        enough."""
         quantizer = self.quantizer(keys.shape[-1])
         prompt = quantize_prompt(keys, values, real, self.config, self.policy, quantizer, recent_queries, scaling)
         self.set_prompt(prompt)

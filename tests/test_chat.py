@@ -1,0 +1,70 @@
+"""examples/chat.py on the embedded SmolLM2: a document prefilled and compressed, two turns of one conversation,
+its prefix saved and loaded by a second run that reads its turn from stdin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shadowkv_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = ROOT / "examples" / "chat.py"
+# The demo handbook at ~1.4K tokens with min_compress_len below it, so that compression really runs; rank 96 (of
+# 192) keeps the planted digits on this small model (docs/configuration.md).
+OPTIONS = ["--min-compress-len", "1024", "--rank", "96", "--max-new-tokens", "24", "--device", "cpu"]
+
+
+def run_chat(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    src = str(Path(shadowkv_cache.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, str(CHAT), *args, *OPTIONS],
+        input=stdin if stdin is not None else "",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def answers(stdout: str) -> dict[str, str]:
+    """{turn: answer} from a non-interactive run: each turn is echoed as "> turn", its answer follows."""
+    lines, found = stdout.splitlines(), {}
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("> "):
+            found[line[2:]] = lines[i + 1]
+    return found
+
+
+@pytest.mark.slow
+def test_chat_answers_from_a_compressed_document_and_remembers_the_conversation(smollm2, tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from long_document_demo import build_document
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    _, tokenizer = smollm2
+    document = tmp_path / "handbook.txt"
+    document.write_text(build_document(tokenizer, 1400))  # the vault code 4827 is planted at 20% depth
+    turns = tmp_path / "turns.txt"
+    turns.write_text("/save\nMy name is Ada. What number is the vault code?\nWhat is my name?\n/memory\n")
+
+    first = run_chat(["--document", str(document), "--turns", str(turns)])
+    assert "compressed in 30 of 30 layers" in first.stdout, first.stdout
+    got = answers(first.stdout)
+    assert "4827" in got["My name is Ada. What number is the vault code?"], got
+    assert "Ada" in got["What is my name?"], got  # the second turn sees the first
+    assert (tmp_path / "handbook.txt.shadowkv.safetensors").is_file()
+    assert "device bytes / DynamicCache bytes" in first.stdout  # /memory
+
+    # A second run loads the saved prefix instead of prefilling; its turn comes from stdin (not a terminal).
+    second = run_chat(["--document", str(document)], stdin="What number is the vault code?\n")
+    assert "Loaded the" in second.stdout and "Prefilled" not in second.stdout, second.stdout
+    assert "4827" in answers(second.stdout)["What number is the vault code?"], second.stdout
