@@ -19,7 +19,7 @@ from helpers import small_budget_overrides as small
 
 from shadowkv_cache import CacheInUseError, CacheStateError, ShadowKVCache, ShadowKVConfig, patch_model, unpatch_model
 from shadowkv_cache.core.low_rank import factorize_keys
-from shadowkv_cache.hf import adapters
+from shadowkv_cache.hf import adapters, wrappers
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.hf.step_context import current_step
 
@@ -295,7 +295,7 @@ def test_two_threads_that_patch_one_model_patch_it_once(monkeypatch):
     assert len(results) == 4 and all(r is results[0] for r in results)
     attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
     for module in attention:
-        assert isinstance(vars(module)["forward"], adapters._AttentionForward)
+        assert isinstance(vars(module)["forward"], wrappers.AttentionForward)
         assert vars(module)["forward"]._previous is None  # wrapped once, not a wrapper around a wrapper
     unpatch_model(model)
     assert wrappers_of(model) == [] and model.config._attn_implementation == "sdpa"

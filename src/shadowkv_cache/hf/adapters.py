@@ -19,7 +19,7 @@ The attention implementation is switched with Transformers' own `set_attn_implem
 model's config that the patch gives the model: models built from one config object share it, and switching the
 shared object would route (or, on unpatching, un-route) the other models too. Nothing is patched at import;
 `patch_model` is idempotent and thread-safe, and `unpatch_model` undoes it, also on a `copy.deepcopy` of a patched
-model (the wrappers are objects that rebind to the copy, not closures over the original).
+model (the wrappers, hf/wrappers.py, are objects that rebind to the copy, not closures over the original).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from .attention import register_attention
-from .step_context import ATTENTION_NAME, attention_step, current_step
+from .step_context import ATTENTION_NAME, current_step
+from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -200,8 +201,8 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             _swap_configs(model, original, patched)
             setattr(model, _RECORD, _PatchRecord(original, patched))
             for module in attention:
-                _AttentionForward.install(module)
-            for wrapper in (_ModelForward, _Generate, _PrepareInputs):
+                AttentionForward.install(module)
+            for wrapper in (ModelForward, Generate, PrepareInputs):
                 if callable(getattr(model, wrapper.name, None)):
                     wrapper.install(model)
             model.set_attn_implementation(ATTENTION_NAME)  # on the model's own copy of its config
@@ -230,9 +231,9 @@ def unpatch_model(model: nn.Module) -> None:
 def _remove_patch(model: nn.Module) -> None:
     """Remove this package's wrappers from `model` and its modules and give them back their config objects."""
     for module in model.modules():
-        for name in ("forward", "generate", "prepare_inputs_for_generation"):
+        for name in WRAPPED_NAMES:
             wrapper = vars(module).get(name)
-            if isinstance(wrapper, _InstanceWrapper):
+            if isinstance(wrapper, InstanceWrapper):
                 wrapper.remove(module)
     record = vars(model).pop(_RECORD, None)
     if isinstance(record, _PatchRecord):
@@ -267,106 +268,6 @@ def _recording_rotary(original: Callable) -> Callable:
 
     apply_rotary_pos_emb.__shadowkv_original__ = original
     return apply_rotary_pos_emb
-
-
-class _InstanceWrapper:
-    """A callable set as an instance attribute over a method of one object (`name`), calling the class's method, or
-    the instance attribute that was already there (which `remove` puts back).
-
-    An object rather than a closure, and holding its owner weakly: a closure over the owner's bound method would keep
-    a dropped model alive, and a `copy.deepcopy` of the model would keep calling the original through it.
-    `__deepcopy__` binds the copy of the wrapper to the copy of its owner (found in the memo).
-    """
-
-    name = ""
-
-    def __init__(self, owner: Any, previous: Callable | None):
-        self._owner = weakref.ref(owner)
-        self._previous = previous
-
-    @classmethod
-    def install(cls, owner: Any) -> _InstanceWrapper:
-        wrapper = cls(owner, vars(owner).get(cls.name))
-        setattr(owner, cls.name, wrapper)
-        return wrapper
-
-    @property
-    def owner(self) -> Any:
-        return self._owner()
-
-    @property
-    def __wrapped__(self) -> Callable:
-        """What the wrapper calls: the owner's own method. `inspect.signature` follows it, so Transformers (which
-        inspects `model.forward`'s parameters) sees the real signature."""
-        if self._previous is not None:
-            return self._previous
-        owner = self._owner()
-        if owner is None:
-            raise ReferenceError(f"the object whose {self.name} this wrapper wraps no longer exists")
-        return getattr(type(owner), self.name).__get__(owner, type(owner))
-
-    def remove(self, owner: Any) -> None:
-        if vars(owner).get(self.name) is not self:
-            return
-        if self._previous is not None:
-            setattr(owner, self.name, self._previous)
-        else:
-            delattr(owner, self.name)
-
-    def __deepcopy__(self, memo: dict) -> _InstanceWrapper:
-        owner = self._owner()
-        twin = memo.get(id(owner), owner) if owner is not None else None
-        new = object.__new__(type(self))
-        new._owner = weakref.ref(twin) if twin is not None else self._owner
-        new._previous = copy.deepcopy(self._previous, memo)
-        return new
-
-
-class _AttentionForward(_InstanceWrapper):
-    """An attention module's forward, run inside its step (`attention_step`)."""
-
-    name = "forward"
-
-    def __call__(self, *args, **kwargs):
-        with attention_step(self._owner(), kwargs):
-            return self.__wrapped__(*args, **kwargs)
-
-
-class _CacheUse(_InstanceWrapper):
-    """A model call that gets a `ShadowKVCache` runs inside that cache's use scope (`ShadowKVCache.use_scope`):
-    one thread at a time, and an exception leaves the cache as it was before the call."""
-
-    def __call__(self, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        scope = getattr(cache, "use_scope", None)
-        if scope is None:
-            return self.__wrapped__(*args, **kwargs)
-        with scope(self._owner()):
-            return self.__wrapped__(*args, **kwargs)
-
-
-class _ModelForward(_CacheUse):
-    name = "forward"
-
-
-class _Generate(_CacheUse):
-    name = "generate"
-
-
-class _PrepareInputs(_InstanceWrapper):
-    """`generate` passes each step's full ids to `prepare_inputs_for_generation` (the forward only sees the
-    uncached ones): a cache that holds a saved prefix checks there, before the first forward, that the ids start
-    with it (`check_prefix_ids`)."""
-
-    name = "prepare_inputs_for_generation"
-
-    def __call__(self, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        input_ids = args[0] if args else kwargs.get("input_ids")
-        check = getattr(cache, "check_prefix_ids", None)
-        if check is not None and isinstance(input_ids, torch.Tensor):
-            check(input_ids, kwargs.get("attention_mask"))
-        return self.__wrapped__(*args, **kwargs)
 
 
 def _attention_modules(model: nn.Module, modeling: Any) -> list[nn.Module]:

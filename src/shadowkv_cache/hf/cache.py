@@ -24,15 +24,15 @@ from . import microbatch
 from .adapters import check_supported, patch_model, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
+from .prefill import SLIDING_PREFIX, refuse_sliding_prefix
 from .prefill import prefill as prefill_document
 from .sliding_layer import SlidingLayer
-from .state import CacheStateError, UseGuard, UseScope
-from .step_context import ATTENTION_NAME, current_step
+from .state import CacheState, CheckedUpdates
 
 __all__ = ["ShadowKVCache"]
 
 
-class ShadowKVCache(Cache):
+class ShadowKVCache(CheckedUpdates, Cache):
     """A KV cache that keeps long prompts compressed on the accelerator and their values in host memory.
 
     At prefill each layer keeps a low-rank factorisation of the pre-RoPE keys, chunk landmarks, a few exact
@@ -122,13 +122,8 @@ class ShadowKVCache(Cache):
             for window in sliding_windows(text_config)
         ]
         super().__init__(layers=layers)
-        # The cache is bound to this model: its keys and values are this model's, and only its attention modules
-        # (held weakly, by layer) may update it. Also for the model's identity when a prefix is saved.
-        self._model = weakref.ref(model)
-        self._attention = dict(adapter.attention)
-        self._guard = UseGuard()  # one thread at a time (hf/state.py)
-        self._broken: str | None = None  # why the cache cannot be used until reset(), after a failed roll-back
-        self._touched = False  # changed since the outermost call began (nothing to roll back otherwise)
+        self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
+        self._state = CacheState(model, adapter.attention)  # bound to this model, one thread at a time, roll-back
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
         self._prefix_checked = False
         self._prefilled: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, P] ids and mask of prefill_batch
@@ -138,93 +133,9 @@ class ShadowKVCache(Cache):
         return False
 
     def reset(self) -> None:
-        """Empty every layer (the compressed prompt too); also makes a cache marked broken usable again."""
         super().reset()
         self._prefix_ids, self._prefix_checked, self._prefilled = None, False, None
-        self._broken = None
-
-    # -- soundness between calls (hf/state.py, docs/reliability.md) ----------------------------------------------
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`Cache.update` with `[B, Hkv, T, D]` keys and values of layer `layer_idx`, once the step is known to run in
-        the "shadowkv" attention of this cache's model, on the thread that uses the cache: otherwise the keys would be
-        stored where attention never reads them (a compressed prompt would be ignored)."""
-        self._check_step(layer_idx)
-        self._touched = True
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def use_scope(self, model: nn.Module) -> UseScope:
-        """The scope in which the patched `model`'s `forward` and `generate` run a call on this cache: one thread at a
-        time, and a call that raises leaves the cache as it was before it."""
-        return UseScope(self, model)
-
-    def check_usable(self, model: nn.Module) -> None:
-        """Raise `CacheStateError` (naming the fix) unless `model` may run a call on this cache now."""
-        self._check_not_broken()
-        if self._model() is not model:
-            raise CacheStateError(_OTHER_MODEL)
-        implementation = model.config._attn_implementation
-        if implementation != ATTENTION_NAME:
-            raise CacheStateError(_NOT_ROUTED.format(implementation=implementation))
-
-    def _check_not_broken(self) -> None:
-        if self._broken is not None:
-            raise CacheStateError(f"{self._broken} Call cache.reset() to empty it (or make a new cache).")
-
-    def _check_step(self, layer_idx: int) -> None:
-        self._check_not_broken()
-        step = current_step()
-        if step is None or step.cache is not self or step.module is None:
-            raise CacheStateError(_OUTSIDE.format(layer=layer_idx))
-        expected = self._attention.get(layer_idx)
-        if expected is None or step.module is not expected():
-            raise CacheStateError(_OTHER_MODEL)
-        implementation = step.module.config._attn_implementation
-        if implementation != ATTENTION_NAME:
-            raise CacheStateError(_NOT_ROUTED.format(implementation=implementation))
-        if self._guard.held_elsewhere():
-            self._guard.enter()  # raises CacheInUseError, naming the fix
-
-    def _checkpoint(self) -> tuple:
-        """What each layer holds now, to go back to if the call that starts now fails (`UseScope`)."""
-        self._touched = False
-        layers = list(self.layers)
-        states = [layer.checkpoint() for layer in layers]
-        return layers, states, self._prefix_ids, self._prefix_checked, self._prefilled
-
-    def _roll_back(self, saved: tuple, error: BaseException | None) -> None:
-        """Go back to `saved` after a failed call; if that fails too, mark the cache broken until `reset()`."""
-        if not self._touched:
-            return
-        layers, states, self._prefix_ids, self._prefix_checked, self._prefilled = saved
-        try:
-            self.layers = layers
-            for layer, state in zip(layers, states):
-                layer.restore(state)
-        except Exception as err:  # noqa: BLE001 - the call's own error goes on; this one is recorded
-            self._broken = (
-                f"A call on this ShadowKVCache failed ({type(error).__name__}: {error}) and its state could not be put "
-                f"back ({type(err).__name__}: {err}), so its layers may hold different tokens."
-            )
-        self._touched = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._touched = True
-        super().reorder_cache(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._touched = True
-        super().batch_select_indices(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._touched = True
-        super().batch_repeat_interleave(repeats)
-
-    def crop(self, max_length: int) -> None:
-        self._touched = True
-        super().crop(max_length)
+        self._state.broken = None  # a cache marked broken is usable again once empty
 
     # -- prefix reuse (format and checks in prefix/) -------------------------------------------------------
 
@@ -240,7 +151,7 @@ class ShadowKVCache(Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document `input_ids` (`[S]` or `[1, S]`), ready to `save_prefix` or
         `fork`: one forward pass (no generation), with a per-layer progress bar if `progress`."""
-        _refuse_sliding_prefix(model, "prefill")
+        refuse_sliding_prefix(model, "prefill")
         cache = cls(model, config, policy, **overrides)
         ids = prefix.as_prefix_ids(input_ids)
         prefill_document(model, ids, cache, progress=progress)
@@ -313,9 +224,8 @@ class ShadowKVCache(Cache):
             input_ids (`torch.Tensor`, *optional*): the document's ids (`[S]` or `[1, S]`); needed only when the
                 cache was filled by a plain forward rather than `prefill`/`load_prefix`. The cache must hold
                 exactly these tokens: save before generating.
-            key (`bytes`, *optional*): sign the file with HMAC-SHA256 under this key; `load_prefix` then needs the
-                same key, and a file changed by anyone without it does not load. Without a key the file carries
-                SHA-256 digests, which detect damage but not a deliberate change.
+            key (`bytes`, *optional*): sign with HMAC-SHA256 under this key (`load_prefix` then needs it); without
+                a key the file's SHA-256 digests detect damage, not a deliberate change.
         """
         if self.config.mode != "shadowkv":
             raise prefix.PrefixCacheError(
@@ -325,7 +235,7 @@ class ShadowKVCache(Cache):
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
-        _refuse_sliding_prefix(model, "save_prefix")
+        refuse_sliding_prefix(model, "save_prefix")
         if input_ids is None and self._prefix_ids is None:
             raise prefix.PrefixCacheError(
                 "save_prefix needs the document's ids: pass input_ids=..., or make the cache with "
@@ -334,13 +244,9 @@ class ShadowKVCache(Cache):
         ids = prefix.as_prefix_ids(input_ids if input_ids is not None else self._prefix_ids)
         if self._prefix_ids is not None and not torch.equal(ids, self._prefix_ids):
             raise prefix.PrefixCacheError("input_ids are not the document this cache was prefilled with.")
-        self._check_not_broken()
-        self._guard.enter()  # not while another thread's call changes the layers
-        try:
+        with self._state.using():  # not while another thread's call changes the layers, nor when broken
             layers = [(layer.prompt, layer.keys, layer.values) for layer in self.layers]
             prefix.write_prefix(path, model, self.config, self.policy, ids, layers, key=key)
-        finally:
-            self._guard.exit()
         self._prefix_ids = ids
 
     @classmethod
@@ -356,24 +262,18 @@ class ShadowKVCache(Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
-        The file's model identity (config and every weight that shapes keys and values), config, version and every
-        tensor's shape and dtype are checked before anything is built; a mismatch raises `PrefixCacheError` naming
-        what differs. Only `sparse_budget`, `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ
-        from the saved config. The temporal cache starts empty.
-
-        Args:
-            verify (`bool`, *optional*, defaults to True): check every tensor's digest and that float tensors are
-                finite (about 1 s per GiB on one CPU core, docs/prefix_format.md); `False` skips that for a file you
-                trust, the structural checks still run.
-            key (`bytes`, *optional*): the key the file was signed with (`save_prefix(..., key=...)`); a signed file
-                needs it, a wrong key or a changed file raises.
+        The file's model identity, config, version and every tensor's shape and dtype are checked before
+        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
+        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. The temporal
+        cache starts empty. `verify=False` skips the tensor digests and finiteness checks (1.5 s per GiB on one CPU
+        core) for a file you trust; `key` is the key a signed file was saved with (`save_prefix(..., key=...)`).
         """
         if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
             raise prefix.PrefixCacheError(
                 "load_prefix does not support mode='yakv' yet (prefix files hold ShadowKV-mode prompts); "
                 "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
             )
-        _refuse_sliding_prefix(model, "load_prefix")
+        refuse_sliding_prefix(model, "load_prefix")
         state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides, verify=verify, key=key)
         cache = cls(model, state.config, state.policy)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
@@ -389,12 +289,11 @@ class ShadowKVCache(Cache):
         tokens. This cache is left as it is, so it can be forked again. For a batch of questions build the
         input with `shadowkv_cache.prefix.batch_questions`.
         """
-        # A bool is an int to Python, but fork(True) is not a request for one row.
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (rows that share the document), got {batch_size!r}.")
         if any(isinstance(layer, SlidingLayer) for layer in self.layers):
-            raise NotImplementedError(_SLIDING_PREFIX.format(what="fork"))
-        self._check_not_broken()
+            raise NotImplementedError(SLIDING_PREFIX.format(what="fork"))
+        state = self._state.forked()  # its own conversation, so its own user (refused when this cache is broken)
         rows = {layer.keys.shape[0] for layer in self.layers if layer.is_initialized}
         after = {layer.keys.shape[2] for layer in self.layers if layer.is_compressed}
         known = self._prefix_ids is not None and self.get_seq_length() != len(self._prefix_ids)
@@ -404,7 +303,7 @@ class ShadowKVCache(Cache):
                 f"this one has {sorted(rows)} row(s) and {sorted(after)} token(s) after its compressed prompt."
             )
         forked = copy.copy(self)
-        forked._guard, forked._touched = UseGuard(), False  # its own conversation, so its own user
+        forked._state = state
         forked._graphs = GraphSwitch(self._graphs.enabled)
         forked.layers = [layer.fork(batch_size, forked._graphs) for layer in self.layers]
         forked._prefix_checked, forked._prefilled = False, None
@@ -442,31 +341,3 @@ class ShadowKVCache(Cache):
     def __repr__(self) -> str:
         compressed = sum(layer.is_compressed for layer in self.layers)
         return f"ShadowKVCache({self.config}, compressed_layers={compressed}/{len(self.layers)})"
-
-
-_OUTSIDE = (
-    "ShadowKVCache layer {layer} was updated outside the patched attention of the model the cache was made for: that "
-    "model was unpatched (unpatch_model), or the cache was passed to another model. Attention would not read the "
-    "compressed prompt, only the tokens after it. Call shadowkv_cache.patch_model(model) (or make any "
-    "ShadowKVCache(model)) to route the model through the cache again (this cache is unchanged), or use DynamicCache."
-)
-_NOT_ROUTED = (
-    "The model's attention implementation is {implementation!r}, not 'shadowkv' (set_attn_implementation was called?): "
-    "attention would not read this cache's compressed prompt, only the tokens after it. Call "
-    "shadowkv_cache.patch_model(model) (or make any ShadowKVCache(model)) to route it through the cache again (this "
-    "cache is unchanged), or use DynamicCache with that implementation."
-)
-_OTHER_MODEL = (
-    "This ShadowKVCache was made for another model: a cache is bound to the model given to ShadowKVCache(model), whose "
-    "keys and values it holds (a copy.deepcopy of that model is another model). Make a cache for this model."
-)
-
-_SLIDING_PREFIX = (
-    "ShadowKVCache.{what} does not support models with sliding-window layers (Gemma 3) yet: a saved or shared "
-    "prefix would have to hold each sliding layer's window as well. Prefill the document in each cache instead."
-)
-
-
-def _refuse_sliding_prefix(model: nn.Module, what: str) -> None:
-    if any(window is not None for window in sliding_windows(model.config.get_text_config())):
-        raise NotImplementedError(_SLIDING_PREFIX.format(what=what))

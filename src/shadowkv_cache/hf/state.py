@@ -6,18 +6,43 @@ and a clear error instead of a silently wrong step.
   the forwards inside it); another thread is refused with `CacheInUseError`.
 - `UseScope`: the patched model's `forward` and `generate` run each call that gets a `ShadowKVCache` inside this
   scope. The outermost scope of a thread records what each layer holds (references: updates replace tensors, or
-  append to a token buffer in place, which a crop undoes); if the call raises after the cache changed, every layer
-  goes back to that record, so a failed first fill leaves an empty cache and a failed `generate` the cache it
-  started with. If putting a layer back fails too, the cache is marked broken and every later use raises, naming
-  `reset()`.
+  append to a token buffer in place, which a crop undoes); if the call raises, every layer goes back to that
+  record, so a failed first fill leaves an empty cache and a failed `generate` the cache it started with. If putting
+  a layer back fails too, the cache is marked broken and every later use raises, naming `reset()`.
+- `CacheState`: what one cache keeps for this (its model, that model's attention modules, the guard, why it is
+  broken) and the checks that every `update` passes: the step runs in the "shadowkv" attention of the cache's own
+  model, on the thread that uses the cache. Otherwise attention would not read what the cache holds.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["CacheInUseError", "CacheStateError", "UseGuard", "UseScope"]
+from .step_context import ATTENTION_NAME, current_step
+
+__all__ = ["CacheInUseError", "CacheState", "CacheStateError", "CheckedUpdates", "UseGuard", "UseScope"]
+
+_OUTSIDE = (
+    "ShadowKVCache layer {layer} was updated outside the patched attention of the model the cache was made for: that "
+    "model was unpatched (unpatch_model), or the cache was passed to another model. Attention would not read the "
+    "compressed prompt, only the tokens after it. Call shadowkv_cache.patch_model(model) (or make any "
+    "ShadowKVCache(model)) to route the model through the cache again (this cache is unchanged), or use DynamicCache."
+)
+_NOT_ROUTED = (
+    "The model's attention implementation is {implementation!r}, not 'shadowkv' (set_attn_implementation was called?): "
+    "attention would not read this cache's compressed prompt, only the tokens after it. Call "
+    "shadowkv_cache.patch_model(model) (or make any ShadowKVCache(model)) to route it through the cache again (this "
+    "cache is unchanged), or use DynamicCache with that implementation."
+)
+_OTHER_MODEL = (
+    "This ShadowKVCache was made for another model: a cache is bound to the model given to ShadowKVCache(model), whose "
+    "keys and values it holds (a copy.deepcopy of that model is another model). Make a cache for this model."
+)
 
 
 class CacheStateError(RuntimeError):
@@ -61,31 +86,137 @@ class UseGuard:
         owner = self.owner
         return owner is not None and owner != threading.get_ident()
 
+    def __enter__(self) -> UseGuard:
+        self.enter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.exit()
+        return False
+
+
+class CacheState:
+    """One cache's soundness between calls.
+
+    Args:
+        model (`nn.Module`): the model the cache is bound to (held weakly).
+        attention (`dict[int, weakref.ref]`): that model's attention modules by layer index (the adapter's).
+    """
+
+    def __init__(self, model: Any, attention: dict[int, weakref.ref]):
+        self.model = weakref.ref(model)
+        self.attention = dict(attention)
+        self.guard = UseGuard()
+        self.broken: str | None = None  # why the cache cannot be used until reset(), after a failed roll-back
+
+    def forked(self) -> CacheState:
+        """The state of a cache forked from this one: the same model, its own user."""
+        self.check_not_broken()
+        forked = copy.copy(self)
+        forked.guard = UseGuard()
+        return forked
+
+    def check_not_broken(self) -> None:
+        if self.broken is not None:
+            raise CacheStateError(f"{self.broken} Call cache.reset() to empty it (or make a new cache).")
+
+    @contextmanager
+    def using(self) -> Iterator[None]:
+        """Hold the cache for this thread (not broken) while something reads all of it, e.g. `save_prefix`."""
+        self.check_not_broken()
+        with self.guard:
+            yield
+
+    def check_usable(self, model: Any) -> None:
+        """Raise `CacheStateError` (naming the fix) unless `model` may run a call on the cache now."""
+        self.check_not_broken()
+        if self.model() is not model:
+            raise CacheStateError(_OTHER_MODEL)
+        implementation = model.config._attn_implementation
+        if implementation != ATTENTION_NAME:
+            raise CacheStateError(_NOT_ROUTED.format(implementation=implementation))
+
+    def check_step(self, cache: Any, layer_idx: int) -> None:
+        """Raise `CacheStateError` unless the attention step running now is layer `layer_idx` of the cache's own model,
+        routed through "shadowkv", on the thread that uses `cache`."""
+        self.check_not_broken()
+        step = current_step()
+        if step is None or step.cache is not cache or step.module is None:
+            raise CacheStateError(_OUTSIDE.format(layer=layer_idx))
+        expected = self.attention.get(layer_idx)
+        if expected is None or step.module is not expected():
+            raise CacheStateError(_OTHER_MODEL)
+        implementation = step.module.config._attn_implementation
+        if implementation != ATTENTION_NAME:
+            raise CacheStateError(_NOT_ROUTED.format(implementation=implementation))
+        if self.guard.held_elsewhere():
+            self.guard.enter()  # raises CacheInUseError, naming the fix
+
+    @staticmethod
+    def checkpoint(cache: Any) -> tuple:
+        """What each layer of `cache` holds now (and the cache's own record of its prefix), to go back to."""
+        layers = list(cache.layers)
+        states = [layer.checkpoint() for layer in layers]
+        return layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled
+
+    def roll_back(self, cache: Any, saved: tuple, error: BaseException | None) -> None:
+        """Put `cache` back to `saved` after a failed call; if that fails too, mark it broken until `reset()`."""
+        layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled = saved
+        try:
+            cache.layers = layers
+            for layer, state in zip(layers, states):
+                layer.restore(state)
+        except Exception as err:  # noqa: BLE001 - the call's own error goes on; this one is recorded
+            self.broken = (
+                f"A call on this ShadowKVCache failed ({type(error).__name__}: {error}) and its state could not be put "
+                f"back ({type(err).__name__}: {err}), so its layers may hold different tokens."
+            )
+
 
 class UseScope:
     """One call of `model` (its `forward` or `generate`) on `cache`; see the module docstring."""
 
     def __init__(self, cache: Any, model: Any):
-        self.cache, self.model = cache, model
+        self.cache, self.model, self.state = cache, model, cache._state
         self.outer = False
         self.saved: Any = None
 
     def __enter__(self) -> UseScope:
-        self.cache.check_usable(self.model)  # before anything is taken or changed
-        self.outer = self.cache._guard.enter()
+        self.state.check_usable(self.model)  # before anything is taken or changed
+        self.outer = self.state.guard.enter()
         if self.outer:
             try:
-                self.saved = self.cache._checkpoint()
+                self.saved = self.state.checkpoint(self.cache)
             except BaseException:
-                self.cache._guard.exit()
+                self.state.guard.exit()
                 raise
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if kind is not None and self.outer:
-                self.cache._roll_back(self.saved, error)
+                self.state.roll_back(self.cache, self.saved, error)
         finally:
             self.saved = None
-            self.cache._guard.exit()
+            self.state.guard.exit()
         return False  # the error goes on
+
+
+class CheckedUpdates:
+    """What `ShadowKVCache` takes from this module, as a base placed before `transformers.Cache`: every `update` passes
+    `CacheState.check_step` first, and the patched model's `forward` and `generate` run each call in `use_scope`. The
+    cache sets `self._state` (a `CacheState`)."""
+
+    _state: CacheState
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """`Cache.update` with `[B, Hkv, T, D]` keys and values of layer `layer_idx`, once the step is known to run in
+        the "shadowkv" attention of the cache's own model, on the thread that uses the cache: otherwise the keys would
+        be stored where attention never reads them. Returns the layer's keys and values, as `Cache.update` does."""
+        self._state.check_step(self, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def use_scope(self, model: Any) -> UseScope:
+        """Where the patched `model`'s `forward` and `generate` run a call on this cache: one thread at a time, and a
+        call that raises leaves the cache as it was."""
+        return UseScope(self, model)

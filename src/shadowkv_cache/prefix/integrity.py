@@ -18,7 +18,7 @@ import hmac
 
 import torch
 
-from .errors import PrefixOptionError
+from .errors import PrefixCacheError, PrefixOptionError
 from .identity import canonical_json, hash_tensor_into, parallel_map
 
 __all__ = [
@@ -26,11 +26,13 @@ __all__ = [
     "KEYED",
     "UNKEYED",
     "check_key_option",
+    "check_seal",
     "digests_equal",
     "header_digest",
     "non_finite",
     "tensor_digest",
     "tensor_digests",
+    "verify_tensors",
 ]
 
 FIELD = "integrity"  # metadata field: {"algorithm", "tensors": {name: hex}, "header": hex}
@@ -98,3 +100,36 @@ def non_finite(tensor: torch.Tensor) -> bool:
     if tensor.is_floating_point():
         return not bool(torch.isfinite(tensor).all())
     return False
+
+
+def check_seal(meta: dict, sealed: dict, key: bytes | None, path) -> None:
+    """The file's integrity algorithm fits the key given (a signed file needs one, an unsigned file refuses one, so a
+    forger cannot strip a signature), and with a key the header's HMAC matches: `PrefixCacheError` otherwise."""
+    algorithm = sealed.get("algorithm")
+    if algorithm == KEYED and key is None:
+        raise PrefixCacheError(
+            f"{path} is signed with a key (HMAC-SHA256); pass the same key: load_prefix(..., key=b'...')."
+        )
+    if algorithm == UNKEYED and key is not None:
+        raise PrefixCacheError(
+            f"{path} was saved without a key, so it cannot be authenticated with one; save it again with "
+            "save_prefix(..., key=...), or load it without a key if you trust where it came from."
+        )
+    if algorithm not in (KEYED, UNKEYED):
+        raise PrefixCacheError(f"{path}: unknown integrity algorithm {algorithm!r} in the metadata (damaged header).")
+    if key is not None and not digests_equal(sealed.get("header"), header_digest(key, meta)):
+        raise PrefixCacheError(
+            f"{path}: the header's HMAC does not match under this key: a wrong key, or a file changed since it was "
+            "signed. Nothing was loaded."
+        )
+
+
+def verify_tensors(tensors: dict, digests: dict, token_hash: str, key: bytes | None, path) -> None:
+    """Every tensor's digest (bound to the document's ids hash and its name), then that float tensors are finite."""
+    for name, digest in tensor_digests(key, token_hash, tensors).items():
+        if not digests_equal(digests.get(name), digest):
+            what = "its HMAC under this key" if key is not None else "its digest"
+            raise PrefixCacheError(f"{path}: tensor {name} does not match {what} (damaged or changed file).")
+    bad = [name for name, tensor in tensors.items() if non_finite(tensor)]
+    if bad:
+        raise PrefixCacheError(f"{path}: tensors {bad[:4]} hold NaN or inf; prefill the document again.")

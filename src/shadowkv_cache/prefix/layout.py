@@ -13,7 +13,16 @@ from ..shadowkv.prompt import CompressedPrompt
 from ..stores.value_codecs import value_codec
 from .errors import PrefixCacheError
 
-__all__ = ["DTYPES_BY_NAME", "ST_DTYPES", "Spec", "check_specs", "dtype_name", "expected_tensors", "layer_tensors"]
+__all__ = [
+    "DTYPES_BY_NAME",
+    "ST_DTYPES",
+    "Spec",
+    "check_specs",
+    "check_structure",
+    "dtype_name",
+    "expected_tensors",
+    "layer_tensors",
+]
 
 ST_DTYPES = {
     torch.float32: "F32",
@@ -94,3 +103,21 @@ def check_specs(found: dict[str, Spec], expected: dict[str, Spec], where: str) -
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")  # a torch dtype, or a safetensors name we do not map (e.g. F64)
+
+
+def check_structure(tensors: dict, i: int, sizes, path) -> None:
+    """A document prefix has fixed structure: positions 0..Tc-1, every outlier and local slot real, C-O selectable
+    chunks per head, the budget of its config. A file that says otherwise is damaged."""
+    if not sizes.num_chunks:
+        return
+    t = {name: tensors[f"layers.{i}.{name}"] for name in CompressedPrompt.ROW_FIELDS}
+    structure_ok = (
+        torch.equal(t["positions"][0], torch.arange(t["positions"].shape[1]))
+        and int(t["budget_chunks"][0]) == sizes.budget_chunks
+        and bool(t["outlier_valid"].view(torch.uint8).eq(1).all())
+        and bool(t["local_valid"].view(torch.uint8).eq(1).all())
+        and bool(t["selectable"].view(torch.uint8).le(1).all())
+        and bool(t["selectable"].sum(-1).eq(sizes.num_chunks - sizes.outliers).all())
+    )
+    if not structure_ok:
+        raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")

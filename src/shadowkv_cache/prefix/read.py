@@ -34,7 +34,7 @@ from .identity import (
     model_identity,
     token_ids_sha256,
 )
-from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, expected_tensors
+from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, check_structure, expected_tensors
 
 __all__ = ["PrefixState", "read_prefix"]
 
@@ -238,23 +238,7 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
             f"{FORMAT_VERSION}. Prefill the document again with this version (or use the version that wrote it)."
         )
     sealed = _field(meta, integrity.FIELD, dict, path)
-    algorithm = sealed.get("algorithm")
-    if algorithm == integrity.KEYED and key is None:
-        raise PrefixCacheError(
-            f"{path} is signed with a key (HMAC-SHA256); pass the same key: load_prefix(..., key=b'...')."
-        )
-    if algorithm == integrity.UNKEYED and key is not None:
-        raise PrefixCacheError(
-            f"{path} was saved without a key, so it cannot be authenticated with one; save it again with "
-            "save_prefix(..., key=...), or load it without a key if you trust where it came from."
-        )
-    if algorithm not in (integrity.KEYED, integrity.UNKEYED):
-        raise PrefixCacheError(f"{path}: unknown integrity algorithm {algorithm!r} in the metadata (damaged header).")
-    if key is not None and not integrity.digests_equal(sealed.get("header"), integrity.header_digest(key, meta)):
-        raise PrefixCacheError(
-            f"{path}: the header's HMAC does not match under this key: a wrong key, or a file changed since it was "
-            "signed. Nothing was loaded."
-        )
+    integrity.check_seal(meta, sealed, key, path)  # a signed file's header MAC before any other field is trusted
     dtype = _check_model(meta, model, path)
     saved_config, config = _check_config(meta, config, overrides, path)
     length = _field(meta, "prefix_length", int, path)
@@ -281,11 +265,11 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
             raise PrefixCacheError(f"{path}: the token ids do not match their hash (damaged file).")
         budget = config.resolve(length, dims[1] * dims[2]).budget_chunks  # `sparse_budget` may change at load
         for i in range(dims[0]):
-            _check_structure(tensors, i, sizes, path)
+            check_structure(tensors, i, sizes, path)
         if verify:  # after the field-by-field checks, which name what is wrong; this catches the rest
             if not integrity.digests_equal(sealed.get("header"), integrity.header_digest(key, meta)):
                 raise PrefixCacheError(f"{path}: the metadata does not match its digest (damaged header).")
-            _verify_tensors(tensors, digests, token_hash, key, path)
+            integrity.verify_tensors(tensors, digests, token_hash, key, path)
         token_ids = tensors["token_ids"].clone()
         layers = [_read_layer(tensors, i, devices[i], config, sizes, budget) for i in range(dims[0])]
     except PrefixCacheError:
@@ -293,17 +277,6 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
     except Exception as err:  # a data region the header promised but the file lacks, an unreadable page
         raise PrefixCacheError(f"{path}: could not read the tensors (truncated or damaged?): {err}") from err
     return PrefixState(config, policy, token_ids, layers)
-
-
-def _verify_tensors(tensors: dict, digests: dict, token_hash: str, key: bytes | None, path: Path) -> None:
-    """Every tensor's digest (bound to the document's ids hash and its name), then that float tensors are finite."""
-    for name, digest in integrity.tensor_digests(key, token_hash, tensors).items():
-        if not integrity.digests_equal(digests.get(name), digest):
-            what = "its HMAC under this key" if key is not None else "its digest"
-            raise PrefixCacheError(f"{path}: tensor {name} does not match {what} (damaged or changed file).")
-    bad = [name for name, tensor in tensors.items() if integrity.non_finite(tensor)]
-    if bad:
-        raise PrefixCacheError(f"{path}: tensors {bad[:4]} hold NaN or inf; prefill the document again.")
 
 
 def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
@@ -326,24 +299,6 @@ def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
             f"layers of rank {wanted}); the file is damaged."
         )
     return ranks
-
-
-def _check_structure(tensors: dict, i: int, sizes, path: Path) -> None:
-    """A document prefix has fixed structure: positions 0..Tc-1, every outlier and local slot real, C-O selectable
-    chunks per head, the budget of its config. A file that says otherwise is damaged."""
-    if not sizes.num_chunks:
-        return
-    t = {name: tensors[f"layers.{i}.{name}"] for name in CompressedPrompt.ROW_FIELDS}
-    structure_ok = (
-        torch.equal(t["positions"][0], torch.arange(t["positions"].shape[1]))
-        and int(t["budget_chunks"][0]) == sizes.budget_chunks
-        and bool(t["outlier_valid"].view(torch.uint8).eq(1).all())
-        and bool(t["local_valid"].view(torch.uint8).eq(1).all())
-        and bool(t["selectable"].view(torch.uint8).le(1).all())
-        and bool(t["selectable"].sum(-1).eq(sizes.num_chunks - sizes.outliers).all())
-    )
-    if not structure_ok:
-        raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")
 
 
 def _read_layer(tensors: dict, i: int, device: torch.device, config: ShadowKVConfig, sizes, budget: int):
