@@ -36,9 +36,9 @@ from shadowkv_cache.prefix import batch_questions  # noqa: E402
 
 # min_compress_len is below the document so that it really is compressed. The question comes after the compressed
 # document as one multi-token step, which reads every chunk (`dense_multi_token_steps`, the default); answer
-# tokens are then decoded sparsely at the demo's budget. sparse_budget may also be changed when loading:
+# tokens are then decoded sparsely at the default budget. sparse_budget may also be changed when loading:
 # load_prefix(..., sparse_budget=...).
-SETTINGS = dict(rank=96, sparse_budget=1024, min_compress_len=1024)
+SETTINGS = dict(min_compress_len=1024)
 _SPLIT = "\x00QUESTION\x00"
 
 

@@ -56,7 +56,8 @@ def test_quick_start_runs_as_written(tmp_path):
     assert "4827" in lines[0]
     assert lines[1] == promised[1]  # the memory table's header
     rows = [line.split() for line in lines[2:] if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == 30 and all(row[1] == "shadowkv" and row[2] == "96" for row in rows), rows
+    # rank="auto" picks each layer's rank within [1/8, 3/4] of Hkv*D = 192
+    assert len(rows) == 30 and all(row[1] == "shadowkv" and 24 <= int(row[2]) <= 144 for row in rows), rows
     assert rows[0][:4] == promised[2].split()[:4]  # layer 0's mode, rank and budget as shown
     assert any(line.startswith("total") for line in lines)
     summary = lines[-1]

@@ -55,7 +55,8 @@ class ShadowKVConfig:
             Tokens per chunk; one landmark (mean post-RoPE key) per chunk.
         sparse_budget (`int` or `float`, *optional*):
             Tokens selected per KV head, per row, per layer and step (outliers, local window and generated tokens
-            come on top). A float in (0, 1) is that share of the prompt. Defaults to `max(1024, 1.5625% of S)`.
+            come on top). A float in (0, 1) is that share of the prompt. Defaults to `max(1024, 1.5625% of S)`, at most
+            a quarter of the prompt.
             Rounded up to whole chunks and clamped to the selectable chunks.
         outlier_chunks (`int` or `float`, *optional*):
             Chunks per KV head kept exact on the accelerator because their keys disagree most with their
@@ -246,7 +247,9 @@ class ShadowKVConfig:
         outliers = min(outliers, num_chunks)
 
         if self.sparse_budget is None:
-            budget = max(_BUDGET_FLOOR, math.ceil(_BUDGET_SHARE * num_tokens))
+            # The floor would select most of a short prompt (which only compresses when min_compress_len is
+            # lowered): a quarter of the prompt at most.
+            budget = min(max(_BUDGET_FLOOR, math.ceil(_BUDGET_SHARE * num_tokens)), num_tokens // 4)
         elif isinstance(self.sparse_budget, float):
             budget = math.ceil(self.sparse_budget * num_tokens)
         else:
