@@ -21,9 +21,12 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .step_context import ATTENTION_NAME, current_step
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CacheInUseError", "CacheState", "CacheStateError", "CheckedUpdates", "UseGuard", "UseScope"]
 
@@ -209,7 +212,9 @@ class CheckedUpdates:
 
     _state: CacheState
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`Cache.update` with `[B, Hkv, T, D]` keys and values of layer `layer_idx`, once the step is known to run in
         the "shadowkv" attention of the cache's own model, on the thread that uses the cache: otherwise the keys would
         be stored where attention never reads them. Returns the layer's keys and values, as `Cache.update` does."""
