@@ -5,9 +5,9 @@ Text2JSON-like extraction, multi-turn needles; `benchmarks/tasks/`), fidelity ag
 text, and the selection probe (share of the exact attention mass held by the selected chunks, against the oracle
 top-k), for full attention (`DynamicCache`) and every selection policy at equal token budgets:
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode cpu      # small sample, ~10 min on 2 cores
-    python benchmarks/accuracy.py --mode gpu --device cuda --dtype bfloat16  # full sample, ~6-7 min on an H200
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/accuracy.py --mode selection  # mass covered vs bytes per step
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.accuracy --mode cpu      # small sample, ~10 min on 2 cores
+    python -m benchmarks.accuracy --mode gpu --device cuda --dtype bfloat16  # full sample, ~6-7 min on an H200
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.accuracy --mode selection  # mass covered vs bytes per step
 
 (`--tasks`, `--length`, `--samples`, `--budgets`, `--methods`, `--no-sweeps`, `--sweep-ranks`, `--sweep-chunks`,
 `--fidelity-rows`, `--fidelity-lengths` change the plan; `--model` picks the model: `smollm2`, or `gemma3` = Gemma 3
@@ -15,7 +15,7 @@ top-k), for full attention (`DynamicCache`) and every selection policy at equal 
 attention mass, against the chunk and token oracles) for ShadowKV, YAKV and the study's two YAKV extensions, over a
 budget sweep, and adds `_bytes.png`: mass covered against host-to-device bytes per step. Gemma 3 on CPU, ~20 min:
 
-    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --model gemma3 --length 4096 --samples 1 --budgets 64 256 \
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy --model gemma3 --length 4096 --samples 1 --budgets 64 256 \
         --no-sweeps --fidelity-rows 1 --fidelity-lengths 8192 \
         --tasks fidelity niah_single_1 niah_multikey_2 multi_needle multi_turn
 
@@ -37,14 +37,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
-from methods import EVICTING, EXTENSIONS, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
-from results_io import RESULTS, environment, markdown_table, plot_facets, write_results
-from selection_probe import SelectionProbe
-from tasks import TASKS
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from benchmarks.accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
+from benchmarks.methods import EVICTING, EXTENSIONS, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
+from benchmarks.results_io import RESULTS, environment, markdown_table, plot_facets, write_results
+from benchmarks.selection_probe import SelectionProbe
+from benchmarks.tasks import TASKS
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.fidelity import natural_text_ids
 from shadowkv_cache.hf.adapters import sliding_windows

@@ -17,9 +17,9 @@ context S:
    host RSS, time to the first token of all questions) and two separate copies are loaded to check the
    separate figure.
 
-    python benchmarks/prefix_reuse.py --device cuda                     # the H200 run, both contexts
-    python benchmarks/prefix_reuse.py --device cuda --contexts 32768    # one context (results accumulate)
-    python benchmarks/prefix_reuse.py --device cpu --small              # a tiny CPU run that checks the script
+    python -m benchmarks.prefix_reuse --device cuda                     # the H200 run, both contexts
+    python -m benchmarks.prefix_reuse --device cuda --contexts 32768    # one context (results accumulate)
+    python -m benchmarks.prefix_reuse --device cpu --small              # a tiny CPU run that checks the script
 
 Disk: a prefix file at 128K is about 10.5 GiB (8 GiB of values, 1.25 GiB of factors at rank 160, 1 GiB of
 landmarks); it is written to `--dir` (default: a temporary directory next to the results) and deleted after.
@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -41,17 +40,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from results_io import RESULTS, environment, write_results  # noqa: E402
-
-from shadowkv_cache import ShadowKVCache  # noqa: E402
-from shadowkv_cache.prefix import batch_questions  # noqa: E402
+from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
+from benchmarks.results_io import RESULTS, environment, write_results
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.prefix import batch_questions
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-from model_shapes import LLAMA_3_1_8B, TINY  # noqa: E402
 
 HOST_RAM = 125 * 2**30  # the H200 machine's host RAM
 QUESTION = 32  # tokens per question

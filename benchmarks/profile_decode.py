@@ -4,8 +4,8 @@ ShadowKV mode: every row reads one shared pinned row of values (each row still f
 PCIe), so large batches need no large pinned allocation. YAKV mode (`--mode yakv`): each row has its own pinned
 records, as in `throughput.py` (4.4 GiB per row at 128K). `throughput.py` is the benchmark of record.
 
-python benchmarks/profile_decode.py --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
-python benchmarks/profile_decode.py --context 131072 --batch 12 --mode yakv
+python -m benchmarks.profile_decode --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
+python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ import dataclasses
 import time
 
 import torch
-from throughput import ControlledHitRate, build_model, decode, fill_shadowkv, fill_yakv, log, yakv_host_bytes_per_row
 
+from benchmarks.throughput import (
+    ControlledHitRate,
+    build_model,
+    decode,
+    fill_shadowkv,
+    fill_yakv,
+    log,
+    yakv_host_bytes_per_row,
+)
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.stores.pinned_pool import pinned_pool
 

@@ -18,8 +18,8 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
-    python benchmarks/throughput.py --device cuda        # the H200 run (about 8 minutes)
-    python benchmarks/throughput.py --small              # a tiny CPU run that checks the script
+    python -m benchmarks.throughput --device cuda        # the H200 run (about 8 minutes)
+    python -m benchmarks.throughput --small              # a tiny CPU run that checks the script
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,22 +35,17 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from results_io import RESULTS, environment, write_results  # noqa: E402
-
-from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig  # noqa: E402
-from shadowkv_cache.shadowkv.prompt import CompressedPrompt  # noqa: E402
-from shadowkv_cache.stores.pinned_pool import pinned_pool  # noqa: E402
-from shadowkv_cache.stores.quantized_store import QuantizedKVStore, record_bytes  # noqa: E402
-from shadowkv_cache.stores.value_codecs import value_codec  # noqa: E402
-from shadowkv_cache.stores.value_store import HostValueStore  # noqa: E402
-from shadowkv_cache.yakv.prompt import QuantizedPrompt  # noqa: E402
+from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
+from benchmarks.results_io import RESULTS, environment, write_results
+from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.shadowkv.prompt import CompressedPrompt
+from shadowkv_cache.stores.pinned_pool import pinned_pool
+from shadowkv_cache.stores.quantized_store import QuantizedKVStore, record_bytes
+from shadowkv_cache.stores.value_codecs import value_codec
+from shadowkv_cache.stores.value_store import HostValueStore
+from shadowkv_cache.yakv.prompt import QuantizedPrompt
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-from model_shapes import LLAMA_3_1_8B, TINY  # noqa: E402
 
 PCIE_ZERO_COPY = 50e9  # bytes/s of the zero-copy gather of 2 KiB chunks measured on the H200 (47-51 GB/s)
 GENERATED_FOR_MEMORY = 256
