@@ -42,7 +42,14 @@ from transformers import DynamicCache
 
 from benchmarks.accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
 from benchmarks.methods import EVICTING, EXTENSIONS, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
-from benchmarks.results_io import RESULTS, environment, markdown_table, plot_facets, write_results
+from benchmarks.results_io import (
+    add_results_dir_option,
+    environment,
+    markdown_table,
+    plot_facets,
+    results_dir,
+    write_results,
+)
 from benchmarks.selection_probe import SelectionProbe
 from benchmarks.tasks import TASKS
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
@@ -530,6 +537,7 @@ def main() -> None:
     parser.add_argument(
         "--update", action="store_true", help="rerun only --tasks and replace their rows in the stored results"
     )
+    add_results_dir_option(parser)
     args = parser.parse_args()
 
     plan = copy.deepcopy(PLANS[args.mode])
@@ -563,7 +571,7 @@ def main() -> None:
 
     name = args.out or f"accuracy_{args.model}_{args.mode}"
     if args.replot:
-        stored = json.loads((RESULTS / f"{name}.json").read_text())
+        stored = json.loads((results_dir() / f"{name}.json").read_text())
         env = stored["env"]
         args.device, args.model, args.mode = env["device"], env["model"], env["mode"]
         report = Report(name, args, plan, env["dtype"], key_dim=max(r["rank"] for r in stored["rows"]))
@@ -577,8 +585,8 @@ def main() -> None:
     work = [(t, plan.length) for t in tasks] + [(t, n) for t in tasks for n in plan.extra_lengths.get(t, [])]
     work = [(t, min(n, limit)) for t, n in work]
     report = Report(name, args, plan, dtype_name, runner.key_dim)
-    if args.update and (RESULTS / f"{name}.json").exists():
-        stored = json.loads((RESULTS / f"{name}.json").read_text())
+    if args.update and (results_dir() / f"{name}.json").exists():
+        stored = json.loads((results_dir() / f"{name}.json").read_text())
         report.rows = [r for r in stored["rows"] if (r["task"], r["length"]) not in set(work)]
         report.earlier = stored["env"]
     with tqdm(total=sum(1 + len(configs_for(plan, t, n)) for t, n in work), desc="runs", file=sys.stdout) as bar:
@@ -589,7 +597,8 @@ def main() -> None:
             full = next(r for r in new if r["method"] == "full")
             tqdm.write(f"{task} @ {length} tokens: full attention {full['accuracy']:.3f} ({len(new)} rows)")
             report.add(new)  # written after every task, so a run cut short still leaves its results
-    print(f"Wrote {RESULTS / report.name}.json, .md, .png and {report.name}_recall.png ({report.minutes:.1f} min)")
+    out = results_dir() / report.name
+    print(f"Wrote {out}.json, .md, .png and {report.name}_recall.png ({report.minutes:.1f} min)")
 
 
 class Report:
@@ -648,6 +657,10 @@ class Report:
         env.update(model=args.model, mode=args.mode, minutes=self.minutes)
         if self.earlier:
             env["command"] = f"{self.earlier['command']} && {env['command']}"
+            earlier_commit = self.earlier.get("commit") or "unrecorded"
+            if earlier_commit != env["commit"]:  # the kept rows come from another commit
+                env["commit"] = f"{earlier_commit} && {env['commit']}"
+            env["dirty"] = bool(self.earlier.get("dirty") or env["dirty"])
             env["minutes"] = round(self.earlier["minutes"] + self.minutes, 1)
         notes = "\n\n".join(
             [

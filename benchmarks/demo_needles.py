@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.accuracy_core import cache_kwarg
-from benchmarks.results_io import environment, write_results
+from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.embedded_models import load_smollm2
 from shadowkv_cache.testing import FACTS, build_document, prompt_ids
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--ranks", type=int, nargs="+", default=[32, 64, 96, 192])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 10**6])
+    add_results_dir_option(parser)
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)

@@ -18,7 +18,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from benchmarks.results_io import environment, write_results
+from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.embedded_models import load_smollm2
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="fidelity_smollm2")
+    add_results_dir_option(parser)
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.accuracy import MODELS, load_model
 from benchmarks.accuracy_core import cache_kwarg
-from benchmarks.results_io import environment, write_results
+from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids
 
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="greedy decode steps per length")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_results_dir_option(parser)
     args = parser.parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     model, tokenizer = load_model(args.model, getattr(torch, dtype), args.device)

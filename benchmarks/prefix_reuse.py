@@ -41,7 +41,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
-from benchmarks.results_io import RESULTS, environment, write_results
+from benchmarks.results_io import add_results_dir_option, environment, results_dir, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.prefix import batch_questions
 
@@ -237,6 +237,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", help="default: 32768 131072 (small: 2048 4096)")
     parser.add_argument("--batch", type=int, help="questions in the shared batch that is run (default 64; small 8)")
     parser.add_argument("--dir", type=Path, help="where prefix files are written (deleted after)")
+    add_results_dir_option(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     contexts = args.contexts or ([2048, 4096] if args.small else [32768, 131072])
@@ -254,7 +255,7 @@ def main() -> None:
     del warm
 
     ttft, memory, batches = previous_rows(name, contexts)
-    directory = Path(tempfile.mkdtemp(prefix=".prefix_reuse.", dir=args.dir or RESULTS))
+    directory = Path(tempfile.mkdtemp(prefix=".prefix_reuse.", dir=args.dir or results_dir()))
     try:
         for context in contexts:
             rows, sizes = ttft_rows(model, context, settings, device, directory)
@@ -273,7 +274,7 @@ def previous_rows(name: str, contexts: list[int]) -> list[list[dict]]:
     out = []
     for suffix in ("", "_memory", "_batch"):
         try:
-            rows = json.loads((RESULTS / f"{name}{suffix}.json").read_text())["rows"]
+            rows = json.loads((results_dir() / f"{name}{suffix}.json").read_text())["rows"]
         except (OSError, ValueError, KeyError):
             rows = []
         out.append([r for r in rows if r.get("context") not in contexts])

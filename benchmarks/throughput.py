@@ -36,7 +36,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
-from benchmarks.results_io import RESULTS, environment, write_results
+from benchmarks.results_io import add_results_dir_option, environment, results_dir, write_results
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.shadowkv.prompt import CompressedPrompt
 from shadowkv_cache.stores.pinned_pool import pinned_pool
@@ -376,7 +376,7 @@ class Recorder:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(RESULTS / f"{self.name}.png", dpi=120)
+        fig.savefig(results_dir() / f"{self.name}.png", dpi=120)
         plt.close(fig)
 
 
@@ -448,7 +448,7 @@ def replot(name: str, h_sweep: float, note: str | None) -> None:
     """Summary rows and plot of a stored run from its rows alone (a run cut short never wrote them)."""
     import json
 
-    stored = json.loads((RESULTS / f"{name}.json").read_text())
+    stored = json.loads((results_dir() / f"{name}.json").read_text())
     env = stored["env"]
     if note:
         env["note"] = note
@@ -480,6 +480,7 @@ def main() -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--replot", metavar="NAME", help="recompute the summary and plot of results/NAME.json, no run")
     p.add_argument("--note", help="with --replot: a note stored in the record's environment")
+    add_results_dir_option(p)
     args = p.parse_args()
     if args.replot:
         replot(args.replot, args.h_sweep, args.note)
@@ -709,7 +710,7 @@ def main() -> None:
 
     add_summary(rec, contexts, args.value_formats.split(","), args.h_sweep)
     rec.write(plot=True)
-    log("done:", Path(__file__).resolve().parent / "results" / f"{name}.md")
+    log("done:", results_dir() / f"{name}.md")
 
 
 if __name__ == "__main__":
