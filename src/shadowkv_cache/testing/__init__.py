@@ -6,7 +6,8 @@ supported interface instead of the package's internals. Imported on first use, l
 
 - `synthetic_cache(model, batch, context, ...)`: a `ShadowKVCache` filled with random compressed prompts
   (ShadowKV mode in any value format, or YAKV mode) at a context length, without a prefill; `layer_sizes` gives
-  what one layer holds per row.
+  what one layer holds per row; `pinned_blocks`, `pinned_bytes`, `release_pinned` manage the pinned host memory
+  such caches (and prefills) draw from.
 - `ControlledHitRate(h)`: a policy whose steps keep a share `h` of the previous step's chunks;
   `reset_hit_counts(cache)` zeroes the counters behind `memory_report().hit_rate`.
 - `continue_with_policy(base, model, policy, sparse_budget)`: a cache that continues a prefilled one with another
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from .handbook import FACTS, build_document, prompt_ids
     from .hit_rate import ControlledHitRate, reset_hit_counts
     from .retarget import continue_with_policy
-    from .synthetic import LayerSizes, layer_sizes, synthetic_cache
+    from .synthetic import LayerSizes, layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
 
 _EXPORTS = {
     "FACTS": ".handbook",
@@ -34,6 +35,9 @@ _EXPORTS = {
     "continue_with_policy": ".retarget",
     "LayerSizes": ".synthetic",
     "layer_sizes": ".synthetic",
+    "pinned_blocks": ".synthetic",
+    "pinned_bytes": ".synthetic",
+    "release_pinned": ".synthetic",
     "synthetic_cache": ".synthetic",
 }
 
@@ -44,7 +48,10 @@ __all__ = [
     "build_document",
     "continue_with_policy",
     "layer_sizes",
+    "pinned_blocks",
+    "pinned_bytes",
     "prompt_ids",
+    "release_pinned",
     "reset_hit_counts",
     "synthetic_cache",
 ]

@@ -32,7 +32,7 @@ from ..stores.value_store import HostValueStore
 from ..yakv.prompt import QuantizedPrompt
 from .hit_rate import ControlledHitRate
 
-__all__ = ["LayerSizes", "layer_sizes", "synthetic_cache"]
+__all__ = ["LayerSizes", "layer_sizes", "pinned_blocks", "pinned_bytes", "release_pinned", "synthetic_cache"]
 
 _SCALES_ALIGN = 256  # bytes between a block's payload and its scales (ShadowKV's quantised value formats)
 
@@ -145,6 +145,25 @@ def synthetic_cache(
         empty = torch.empty(batch, sizes.num_kv_heads, 0, sizes.head_dim, device=device, dtype=dtype)
         layer.set_prefix(prompt, empty, empty)
     return cache
+
+
+def pinned_blocks(count: int, nbytes: int) -> list[torch.Tensor]:
+    """`count` flat uint8 tensors of `nbytes` pinned host bytes each, from the package's pinned pool (CUDA only).
+
+    Pass them as `synthetic_cache(..., host_blocks=...)` to pin once for many caches. A block returns to the pool
+    when its tensor is collected, so dropping freshly allocated blocks also warms the pool for prefills of that size
+    (a server pins once; pinning fresh memory is slow)."""
+    return [pinned_pool().allocate((nbytes,), torch.uint8) for _ in range(count)]
+
+
+def pinned_bytes() -> int:
+    """Bytes the package's pinned pool holds pinned (in use or free)."""
+    return pinned_pool().pinned_bytes
+
+
+def release_pinned() -> int:
+    """Unpin the pinned pool's free blocks; returns the bytes released."""
+    return pinned_pool().release_cached()
 
 
 def _kv_dims(model) -> tuple[int, int]:
