@@ -28,7 +28,6 @@ landmarks); it is written to `--dir` (default: a temporary directory next to the
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -38,10 +37,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
 from benchmarks.results_io import add_results_dir_option, environment, results_dir, write_results
+from benchmarks.speed import GiB, build_model, free, host_rss, log, peak_gpu_gib, reset_peak, sync
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.prefix import batch_questions
 
@@ -49,49 +47,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 HOST_RAM = 125 * 2**30  # the H200 machine's host RAM
 QUESTION = 32  # tokens per question
-GiB = 2**30
-
-
-def log(*args) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak(device) -> dict:
-    return {"peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB} if device.type == "cuda" else {}
-
-
-def host_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def build_model(small: bool, device: torch.device):
-    config = AutoConfig.for_model("llama", **(TINY if small else LLAMA_3_1_8B), tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):  # weights made in place: no 16 GB copy through host memory
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
-    return model.eval()
+    return {"peak_gpu_gib": peak_gpu_gib(device)} if device.type == "cuda" else {}
 
 
 def evict_from_page_cache(path: Path) -> None:
@@ -255,6 +214,7 @@ def main() -> None:
     del warm
 
     ttft, memory, batches = previous_rows(name, contexts)
+    (args.dir or results_dir()).mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix=".prefix_reuse.", dir=args.dir or results_dir()))
     try:
         for context in contexts:
