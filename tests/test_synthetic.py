@@ -30,6 +30,7 @@ from shadowkv_cache.testing import (
     continue_with_policy,
     layer_sizes,
     reset_hit_counts,
+    selection_figures,
     synthetic_cache,
 )
 
@@ -118,6 +119,25 @@ def test_constructed_hit_rate_is_measured(hit_rate, value_format):
     k = layer_sizes(model(), cache.config, S).resolved.budget_chunks
     assert cache.memory_report().hit_rate == pytest.approx(hit_rate)
     assert cache.policy.expected_hit_rate(k) == pytest.approx(hit_rate)
+
+
+@pytest.mark.parametrize("settings", MODES)
+def test_selection_figures_count_what_was_built_and_moved(settings):
+    cache = synthetic_cache(model(), B, S, **settings)
+    size = layer_sizes(model(), cache.config, S)
+    decode(cache, 3)
+    figures = selection_figures(cache)
+    layers, k = len(cache.layers), size.resolved.budget_chunks
+    assert figures.compressed_layers == layers
+    assert figures.selected_units == layers * k
+    assert figures.prompt_units == layers * NUM_KV_HEADS * size.resolved.num_chunks
+    if cache.config.mode == "yakv":
+        assert (figures.rank, figures.unit_tokens, figures.record_bytes) == (None, 1, size.record_bytes)
+        assert figures.fetched_bytes == 3 * layers * B * NUM_KV_HEADS * k * size.record_bytes
+    else:
+        assert (figures.rank, figures.unit_tokens) == (size.resolved.rank, cache.config.chunk_size)
+        assert figures.lookups == 3 * layers * B * NUM_KV_HEADS * k
+        assert figures.hits / figures.lookups == cache.memory_report().hit_rate
 
 
 def test_reset_hit_counts_leaves_other_modes_alone():

@@ -12,6 +12,7 @@ supported interface instead of the package's internals. Imported on first use, l
   `reset_hit_counts(cache)` zeroes the counters behind `memory_report().hit_rate`.
 - `continue_with_policy(base, model, policy, sparse_budget)`: a cache that continues a prefilled one with another
   policy and budget, sharing its compressed prompt.
+- `selection_figures(cache)`: what a cache's compressed layers select and move, for byte counts.
 - `FACTS`, `build_document`, `prompt_ids`: the demo's staff handbook (`handbook.py`).
 """
 
@@ -21,12 +22,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .figures import SelectionFigures, selection_figures
     from .handbook import FACTS, build_document, prompt_ids
     from .hit_rate import ControlledHitRate, reset_hit_counts
     from .retarget import continue_with_policy
     from .synthetic import LayerSizes, layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
 
 _EXPORTS = {
+    "SelectionFigures": ".figures",
+    "selection_figures": ".figures",
     "FACTS": ".handbook",
     "build_document": ".handbook",
     "prompt_ids": ".handbook",
@@ -45,6 +49,7 @@ __all__ = [
     "FACTS",
     "ControlledHitRate",
     "LayerSizes",
+    "SelectionFigures",
     "build_document",
     "continue_with_policy",
     "layer_sizes",
@@ -53,6 +58,7 @@ __all__ = [
     "prompt_ids",
     "release_pinned",
     "reset_hit_counts",
+    "selection_figures",
     "synthetic_cache",
 ]
 
