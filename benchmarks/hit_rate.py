@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from benchmarks.accuracy import MODELS, load_model
 from benchmarks.accuracy_core import cache_kwarg
+from benchmarks.accuracy_runner import MODELS, load_model
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids
