@@ -60,12 +60,10 @@ def host_rss() -> int:
 def build_model(small: bool, device: torch.device):
     """Llama-3.1-8B shape (`TINY` if `small`), random weights made on `device`: bf16 on CUDA, fp32 elsewhere."""
     config = AutoConfig.for_model("llama", **(TINY if small else LLAMA_3_1_8B), tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
