@@ -11,6 +11,9 @@ back, and rows that share one stored row reading the same values.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import (
@@ -92,6 +95,19 @@ def test_memory_report_counts_the_intended_sizes(settings, share):
     assert report.host_bytes == layers * (1 if share else B) * sizes.host_bytes_per_row
     assert report.gpu_bytes == layers * expected_device_bytes(cache.config)
     assert report.dynamic_cache_bytes == layers * 2 * B * NUM_KV_HEADS * S * HEAD_DIM * 4
+    yakv = cache.config.mode == "yakv"
+    tokens = sizes.resolved.budget_chunks * (1 if yakv else cache.config.chunk_size)
+    for layer in report.layers:
+        assert (layer.mode, layer.budget_tokens) == (cache.config.mode, tokens)
+        assert layer.rank == (None if yakv else sizes.resolved.rank)
+
+
+def test_auto_rank_takes_the_largest_rank_allowed():
+    cache = synthetic_cache(model(), B, S, **dict(SETTINGS, rank="auto"))
+    rank = layer_sizes(model(), cache.config, S).resolved.rank
+    assert rank == 24  # 75% of Hkv*D = 32
+    assert all(layer.rank == rank for layer in cache.memory_report().layers)
+    decode(cache, 2)
 
 
 def test_layer_sizes_of_each_value_format():
@@ -208,3 +224,44 @@ def test_continued_cache_decodes_like_its_own_prefill():
         cache = continue_with_policy(base, model(), LandmarkTopK(), overrides["sparse_budget"])
         assert cache.config.sparse_budget == overrides["sparse_budget"]
         assert torch.equal(generate_with(model(), prompt, cache, max_new_tokens=6).sequences, expected)
+
+
+# -- who may import what (design.md §7) ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+INTERNALS = ("shadowkv_cache.shadowkv", "shadowkv_cache.yakv", "shadowkv_cache.stores")
+
+
+def imports(path: Path, package: str) -> set[str]:
+    """Absolute names of the modules `path` imports (relative imports resolved against `package`)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            out |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+def within(name: str, *roots: str) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+def test_no_other_room_imports_testing():
+    src = REPO / "src"
+    for path in (src / "shadowkv_cache").rglob("*.py"):
+        package = ".".join(path.relative_to(src).with_suffix("").parts[:-1])
+        if within(package, "shadowkv_cache.testing"):
+            continue
+        assert not [n for n in imports(path, package) if within(n, "shadowkv_cache.testing")], path
+
+
+def test_benchmarks_build_caches_through_the_api_and_testing():
+    for path in (REPO / "benchmarks").rglob("*.py"):
+        package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+        assert not [n for n in imports(path, package) if within(n, *INTERNALS)], path
+        assert "sys.path" not in path.read_text(), path

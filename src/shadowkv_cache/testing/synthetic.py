@@ -94,7 +94,8 @@ def synthetic_cache(
     device, a recent window `[B, Hkv, W, D]`, and host records `[R, Hkv, N, E]` of random codes with norms
     `sqrt(D)` (well-formed vectors once dequantised). Every token is real; the budget is the resolved one. Host
     rows differ from each other (one random row, rolled along the chunks), so a row that reads another's values
-    is caught.
+    is caught. With `rank="auto"` the factors take the largest rank the config allows (`resolved.rank`), the rank a
+    real prefill picks for random keys, whose energy is spread evenly; pass `rank=` for another.
 
     The cache reports `S` tokens to `generate` (pass `S + 1` input ids: `generate` feeds the last one), and its
     `memory_report()` counts exactly these tensors (`layer_sizes(...).host_bytes_per_row` per stored row).
