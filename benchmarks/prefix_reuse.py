@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, results_dir, write_results
-from benchmarks.speed import GiB, build_model, free, host_rss, log, peak_gpu_gib, reset_peak, sync
+from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, free, host_rss, log, peak_gpu_gib, reset_peak, sync
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.prefix import batch_questions
 
@@ -202,7 +202,7 @@ def main() -> None:
     contexts = args.contexts or ([2048, 4096] if args.small else [32768, 131072])
     batch = args.batch or (8 if args.small else 64)
     # The paper's defaults (scaled to the prompt); small: compress the short contexts too.
-    settings = {"min_compress_len": 1024} if args.small else {}
+    settings = {**PAPER_SETTINGS, **({"min_compress_len": 1024} if args.small else {})}
     name = f"prefix_reuse_{device.type}" + ("_small" if args.small else "")
 
     model = build_model(args.small, device)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.speed import build_model, decode, log
+from benchmarks.speed import PAPER_SETTINGS, build_model, decode, log
 from shadowkv_cache import ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
 
@@ -36,10 +36,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
     config = ShadowKVConfig(
-        min_compress_len=1024 if args.small else 4096, cuda_graphs=not args.no_graphs, value_format=args.value_format
+        min_compress_len=1024 if args.small else 4096,
+        cuda_graphs=not args.no_graphs,
+        value_format=args.value_format,
+        **PAPER_SETTINGS,
     )
     if args.mode == "yakv":
-        config = dataclasses.replace(config, mode="yakv")
+        config = dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
     for batch in [int(b) for b in str(args.batch).split(",")]:
         if args.mode == "yakv":
             blocks = None

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, results_dir
-from benchmarks.speed import GiB, build_model, hbm_bandwidth, log
+from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, hbm_bandwidth, log
 from benchmarks.throughput_report import Recorder, add_summary, replot
 from benchmarks.throughput_sweeps import (
     Run,
@@ -79,7 +79,7 @@ def main() -> None:
     if args.small:
         batches = [b for b in batches if b <= 4]
         args.warm, args.steps = min(args.warm, 2), min(args.steps, 4)
-    config = ShadowKVConfig(min_compress_len=1024 if args.small else 4096)
+    config = ShadowKVConfig(min_compress_len=1024 if args.small else 4096, **PAPER_SETTINGS)
     env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
     env["fill"] = (
         "real prefill at batch 1 per context; synthetic random K/V (Dynamic) and random compressed prompts (ShadowKV) for batch sweeps"  # noqa: E501

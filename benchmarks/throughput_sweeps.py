@@ -221,7 +221,8 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
     """4. Per context: YAKV mode over the batch sweep up to the host budget. Every step scores every token from the
     device codes and fetches the top k tokens' 4-bit key and value records; no temporal cache, no hit rate."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
-    yakv_config = dataclasses.replace(run.config, mode="yakv")
+    # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
+    yakv_config = dataclasses.replace(run.config, mode="yakv", rank="auto", sparse_budget=None)
     for length in run.contexts if "yakv" in run.methods else []:
         row_host = layer_sizes(model, yakv_config, length).host_bytes_per_row
         sweep, max_rows = _host_sweep(run, row_host, 0)
