@@ -14,7 +14,8 @@ import inspect
 import warnings
 
 import torch
-from tasks import Sample
+
+from benchmarks.tasks import Sample
 
 __all__ = [
     "answer_turns",

@@ -1,25 +1,22 @@
 """Needle QA on the demo's ~6K-token handbook (SmolLM2-135M-Instruct): which ShadowKV settings keep the
 answers full attention gives. Sweeps rank x sparse budget; one line per setting.
 
-    .venv/bin/python benchmarks/demo_needles.py --device cuda --dtype bfloat16
+    .venv/bin/python -m benchmarks.demo_needles --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
-from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from long_document_demo import FACTS, build_document, cache_kwarg, prompt_ids  # noqa: E402
-from results_io import environment, write_results  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-from shadowkv_cache import ShadowKVCache  # noqa: E402
-from shadowkv_cache.embedded_models import load_smollm2  # noqa: E402
+from benchmarks.accuracy_core import cache_kwarg
+from benchmarks.results_io import add_results_dir_option, environment, write_results
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.embedded_models import load_smollm2
+from shadowkv_cache.testing import FACTS, build_document, prompt_ids
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -42,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--ranks", type=int, nargs="+", default=[32, 64, 96, 192])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 10**6])
+    add_results_dir_option(parser)
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)

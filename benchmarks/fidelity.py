@@ -3,8 +3,8 @@
 Teacher-forced next-token agreement, mean KL(full || ShadowKV) and the matching greedy length, at the
 default configuration (scaled to the model and prompt) and a few budgets. Rerun:
 
-    .venv/bin/python benchmarks/fidelity.py            # CPU, ~15 min on 2 cores
-    .venv/bin/python benchmarks/fidelity.py --device cuda --dtype bfloat16
+    .venv/bin/python -m benchmarks.fidelity            # CPU, ~15 min on 2 cores
+    .venv/bin/python -m benchmarks.fidelity --device cuda --dtype bfloat16
 
 Writes benchmarks/results/fidelity_smollm2.{json,md,png}.
 """
@@ -16,9 +16,9 @@ import time
 import warnings
 
 import torch
-from results_io import environment, write_results
 from tqdm import tqdm
 
+from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.embedded_models import load_smollm2
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="fidelity_smollm2")
+    add_results_dir_option(parser)
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)

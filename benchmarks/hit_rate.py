@@ -7,7 +7,7 @@ Each length prefills natural text (the Python reference documentation shipped wi
 greedily; reported are the cumulative hit rate of `cache.memory_report()` (the first step, with an empty
 temporal cache, counts as all misses) and the steady-state rate from the second step on.
 
-    OMP_NUM_THREADS=1 python benchmarks/hit_rate.py --model gemma3 --lengths 2048 4096 8192 --steps 128
+    OMP_NUM_THREADS=1 python -m benchmarks.hit_rate --model gemma3 --lengths 2048 4096 8192 --steps 128
 
 Writes benchmarks/results/hit_rate_<model>_<device>.{json,md,png}.
 """
@@ -18,10 +18,10 @@ import argparse
 import time
 
 import torch
-from accuracy import MODELS, load_model
-from accuracy_core import cache_kwarg
-from results_io import environment, write_results
 
+from benchmarks.accuracy_core import cache_kwarg
+from benchmarks.accuracy_runner import MODELS, load_model
+from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids
 
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="greedy decode steps per length")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_results_dir_option(parser)
     args = parser.parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     model, tokenizer = load_model(args.model, getattr(torch, dtype), args.device)

@@ -8,19 +8,16 @@ YAKV stores the prompt differently (`mode="yakv"`: quantised keys and values, to
 own prefill (`MODE_CHANGES`) and is compared at the same token budget. The prefill
 is exact attention whatever the policy, so the harness prefills once with a `PolicyBundle`, which prepares the
 state of every policy, and `fork_cache` then makes one cache per (method, budget) that shares the compressed
-prompt and host values (read-only) and has its own temporal cache and decoded tokens. A test checks that a fork
-decodes exactly like a cache that did its own prefill.
+prompt and host values (read-only) and has its own temporal cache and decoded tokens
+(`shadowkv_cache.testing.continue_with_policy`). A test checks that a fork decodes exactly like a cache that did its
+own prefill.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.policies import (
     LandmarkTopK,
     OracleTopK,
@@ -32,7 +29,7 @@ from shadowkv_cache.policies import (
     SnapKV,
     StreamingLLM,
 )
-from shadowkv_cache.yakv.prompt import QuantizedPrompt
+from shadowkv_cache.testing import continue_with_policy
 
 __all__ = ["EVICTING", "EXTENSIONS", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
 
@@ -93,32 +90,10 @@ def fork_cache(
     `policy` gets the state that the bundle's policy `name` prepared (and the exact keys, for a probe);
     `config_changes` may change settings that do not shape the compressed prompt (`dense_multi_token_steps`).
     """
-    config = dataclasses.replace(base.config, sparse_budget=sparse_budget, **config_changes)
-    cache = ShadowKVCache(model, config=config, policy=policy)
     prefix = f"{name}/"
-    for new, old in zip(cache.layers, base.layers):
-        prompt = getattr(old, "prompt", None)
-        if prompt is None:
-            if isinstance(old, CompressedLayer):
-                new.set_prefix(None, old.keys, old.values)
-            else:  # a sliding-window layer: its tensors are only read when decoding goes on
-                vars(new).update(vars(old))
-            continue
-        state = {k[len(prefix) :]: v for k, v in prompt.policy_state.items() if k.startswith(prefix)}
-        state["exact_keys"] = prompt.policy_state["exact_keys"]
-        if isinstance(prompt, QuantizedPrompt):  # YAKV: a budget of tokens, clamped to each row's, no temporal cache
-            quantised = prompt.real.sum(dim=-1)
-            budget = quantised.clamp(max=sparse_budget).to(torch.int64)  # [B]
-            host = budget.cpu()
-            prompt = dataclasses.replace(
-                prompt, policy_state=state, budget_tokens=budget, budget_host=host, max_budget_tokens=int(host.max())
-            )
-        else:
-            # As ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks.
-            wanted = math.ceil(sparse_budget / prompt.chunk_size)
-            budget = prompt.selectable[:, 0].sum(dim=-1).clamp(max=wanted).to(torch.int64)  # [B]
-            prompt = dataclasses.replace(
-                prompt, policy_state=state, budget_chunks=budget, max_budget_chunks=int(budget.max())
-            )
-        new.set_prefix(prompt, *old.new.held())  # the tokens after the prompt are copied: each fork has its own
-    return cache
+
+    def state(prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mine = {k[len(prefix) :]: v for k, v in prepared.items() if k.startswith(prefix)}
+        return {**mine, "exact_keys": prepared["exact_keys"]}
+
+    return continue_with_policy(base, model, policy, sparse_budget, policy_state=state, **config_changes)

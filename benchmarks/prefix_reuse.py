@@ -17,9 +17,9 @@ context S:
    host RSS, time to the first token of all questions) and two separate copies are loaded to check the
    separate figure.
 
-    python benchmarks/prefix_reuse.py --device cuda                     # the H200 run, both contexts
-    python benchmarks/prefix_reuse.py --device cuda --contexts 32768    # one context (results accumulate)
-    python benchmarks/prefix_reuse.py --device cpu --small              # a tiny CPU run that checks the script
+    python -m benchmarks.prefix_reuse --device cuda                     # the H200 run, both contexts
+    python -m benchmarks.prefix_reuse --device cuda --contexts 32768    # one context (results accumulate)
+    python -m benchmarks.prefix_reuse --device cpu --small              # a tiny CPU run that checks the script
 
 Disk: a prefix file at 128K is about 10.5 GiB (8 GiB of values, 1.25 GiB of factors at rank 160, 1 GiB of
 landmarks); it is written to `--dir` (default: a temporary directory next to the results) and deleted after.
@@ -28,76 +28,29 @@ landmarks); it is written to `--dir` (default: a temporary directory next to the
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from results_io import RESULTS, environment, write_results  # noqa: E402
-
-from shadowkv_cache import ShadowKVCache  # noqa: E402
-from shadowkv_cache.prefix import batch_questions  # noqa: E402
+from benchmarks.results_io import add_results_dir_option, environment, results_dir, write_results
+from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, free, host_rss, log, peak_gpu_gib, reset_peak, sync
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.prefix import batch_questions
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from model_shapes import LLAMA_3_1_8B, TINY  # noqa: E402
-
 HOST_RAM = 125 * 2**30  # the H200 machine's host RAM
 QUESTION = 32  # tokens per question
-GiB = 2**30
-
-
-def log(*args) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak(device) -> dict:
-    return {"peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB} if device.type == "cuda" else {}
-
-
-def host_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def build_model(small: bool, device: torch.device):
-    config = AutoConfig.for_model("llama", **(TINY if small else LLAMA_3_1_8B), tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):  # weights made in place: no 16 GB copy through host memory
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
-    return model.eval()
+    return {"peak_gpu_gib": peak_gpu_gib(device)} if device.type == "cuda" else {}
 
 
 def evict_from_page_cache(path: Path) -> None:
@@ -243,12 +196,13 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", help="default: 32768 131072 (small: 2048 4096)")
     parser.add_argument("--batch", type=int, help="questions in the shared batch that is run (default 64; small 8)")
     parser.add_argument("--dir", type=Path, help="where prefix files are written (deleted after)")
+    add_results_dir_option(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     contexts = args.contexts or ([2048, 4096] if args.small else [32768, 131072])
     batch = args.batch or (8 if args.small else 64)
     # The paper's defaults (scaled to the prompt); small: compress the short contexts too.
-    settings = {"min_compress_len": 1024} if args.small else {}
+    settings = {**PAPER_SETTINGS, **({"min_compress_len": 1024} if args.small else {})}
     name = f"prefix_reuse_{device.type}" + ("_small" if args.small else "")
 
     model = build_model(args.small, device)
@@ -260,7 +214,8 @@ def main() -> None:
     del warm
 
     ttft, memory, batches = previous_rows(name, contexts)
-    directory = Path(tempfile.mkdtemp(prefix=".prefix_reuse.", dir=args.dir or RESULTS))
+    (args.dir or results_dir()).mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix=".prefix_reuse.", dir=args.dir or results_dir()))
     try:
         for context in contexts:
             rows, sizes = ttft_rows(model, context, settings, device, directory)
@@ -279,7 +234,7 @@ def previous_rows(name: str, contexts: list[int]) -> list[list[dict]]:
     out = []
     for suffix in ("", "_memory", "_batch"):
         try:
-            rows = json.loads((RESULTS / f"{name}{suffix}.json").read_text())["rows"]
+            rows = json.loads((results_dir() / f"{name}{suffix}.json").read_text())["rows"]
         except (OSError, ValueError, KeyError):
             rows = []
         out.append([r for r in rows if r.get("context") not in contexts])

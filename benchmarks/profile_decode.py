@@ -4,8 +4,8 @@ ShadowKV mode: every row reads one shared pinned row of values (each row still f
 PCIe), so large batches need no large pinned allocation. YAKV mode (`--mode yakv`): each row has its own pinned
 records, as in `throughput.py` (4.4 GiB per row at 128K). `throughput.py` is the benchmark of record.
 
-python benchmarks/profile_decode.py --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
-python benchmarks/profile_decode.py --context 131072 --batch 12 --mode yakv
+python -m benchmarks.profile_decode --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
+python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import dataclasses
 import time
 
 import torch
-from throughput import ControlledHitRate, build_model, decode, fill_shadowkv, fill_yakv, log, yakv_host_bytes_per_row
 
-from shadowkv_cache import ShadowKVCache, ShadowKVConfig
-from shadowkv_cache.stores.pinned_pool import pinned_pool
+from benchmarks.speed import PAPER_SETTINGS, build_model, decode, log
+from shadowkv_cache import ShadowKVConfig
+from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", default="8", help="comma-separated; the last one is profiled")
     p.add_argument("--h", type=float, default=0.6)
@@ -36,21 +36,22 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
     config = ShadowKVConfig(
-        min_compress_len=1024 if args.small else 4096, cuda_graphs=not args.no_graphs, value_format=args.value_format
+        min_compress_len=1024 if args.small else 4096,
+        cuda_graphs=not args.no_graphs,
+        value_format=args.value_format,
+        **PAPER_SETTINGS,
     )
     if args.mode == "yakv":
-        config = dataclasses.replace(config, mode="yakv")
+        config = dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
     for batch in [int(b) for b in str(args.batch).split(",")]:
         if args.mode == "yakv":
-            cache = ShadowKVCache(model, config=config)
             blocks = None
             if device.type == "cuda":
-                row = yakv_host_bytes_per_row(model.config, config, args.context)
-                blocks = [pinned_pool().allocate((row * batch,), torch.uint8) for _ in cache.layers]
-            fill_yakv(model, cache, batch, args.context, device, blocks)
+                row = layer_sizes(model, config, args.context).host_bytes_per_row
+                blocks = pinned_blocks(model.config.num_hidden_layers, row * batch)
+            cache = synthetic_cache(model, batch, args.context, config, host_blocks=blocks)
         else:
-            cache = ShadowKVCache(model, config=config, policy=ControlledHitRate(args.h))
-            fill_shadowkv(model, cache, batch, args.context, device, None, share_host_row=True)
+            cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, share_stored_row=True)
         step = decode(model, cache, batch, 4, args.steps, device)
         hit = cache.memory_report().hit_rate
         log(

@@ -1,10 +1,15 @@
-"""Recording benchmark results: JSON (with machine, versions and command), a Markdown table and a plot."""
+"""Recording benchmark results: JSON (with the commit, command, environment variables, machine and versions), a
+Markdown table and a plot, in `benchmarks/results/` or the folder a script's `--results-dir` names."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -12,14 +17,83 @@ from pathlib import Path
 import torch
 import transformers
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import shadowkv_cache
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where results are kept in the repository
+_REPO = Path(__file__).resolve().parents[1]
+_results_dir = RESULTS
+
+# Environment variables that change what a run does or how fast, recorded when set.
+ENV_PREFIXES = ("SHADOWKV_", "TRANSFORMERS_", "PYTORCH_")
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")
+# Keys of `environment()` that the Markdown shows on their own lines rather than in the "Environment:" line.
+_PROVENANCE = ("command", "commit", "dirty", "env_vars")
+
+
+def results_dir() -> Path:
+    """The folder results are read from and written to (`benchmarks/results/` unless `--results-dir` changed it)."""
+    return _results_dir
+
+
+def set_results_dir(path: str | os.PathLike) -> None:
+    global _results_dir
+    _results_dir = Path(path)
+
+
+class _ResultsDir(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        set_results_dir(values)
+        setattr(namespace, self.dest, Path(values))
+
+
+def add_results_dir_option(parser: argparse.ArgumentParser) -> None:
+    """`--results-dir DIR`: read and write results in DIR instead of `benchmarks/results/` (e.g. a check run)."""
+    parser.add_argument(
+        "--results-dir",
+        action=_ResultsDir,
+        default=RESULTS,
+        metavar="DIR",
+        help="where results are read and written (default: benchmarks/results)",
+    )
+
+
+def command_line() -> str:
+    """The command as run: `python -m benchmarks.<script> ...` (the interpreter's name, not its path)."""
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    return shlex.join([Path(argv[0]).name, *argv[1:]])
+
+
+@functools.cache
+def git_state() -> tuple[str | None, bool | None]:
+    """`(commit, dirty)` of the repository the benchmarks run from, once per process (before any result is written);
+    dirty: tracked or untracked changes outside `benchmarks/results/`. `(None, None)` outside a git checkout."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changes = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    return commit, bool(changes.strip())
+
+
+def env_vars() -> dict[str, str]:
+    """The set environment variables that change behaviour (`ENV_PREFIXES`, `ENV_NAMES`), sorted by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
 def environment(device: str, dtype: str) -> dict:
-    """Machine, versions and the command line, recorded beside every result."""
+    """Commit, command line, environment variables, machine and versions, recorded beside every result."""
+    commit, dirty = git_state()
     env = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
+        "commit": commit,
+        "dirty": dirty,
+        "env_vars": env_vars(),
         "python": platform.python_version(),
+        "shadowkv_cache": shadowkv_cache.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu": platform.processor() or platform.machine(),
@@ -30,6 +104,17 @@ def environment(device: str, dtype: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def provenance_lines(env: dict) -> list[str]:
+    """Markdown lines: the environment, then (when recorded) environment variables and commit, then the command."""
+    lines = ["Environment: " + ", ".join(f"{k}={v}" for k, v in env.items() if k not in _PROVENANCE), ""]
+    if "env_vars" in env:
+        shown = ", ".join(f"{k}={v}" for k, v in env["env_vars"].items()) or "none of those that change behaviour"
+        lines += [f"Environment variables: {shown}", ""]
+    if env.get("commit"):
+        lines += [f"Commit: `{env['commit']}`" + (" with uncommitted changes" if env.get("dirty") else ""), ""]
+    return lines + [f"Command: `{env['command']}`", ""]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -58,22 +143,17 @@ def write_results(
     notes: str = "",
     extra: dict | None = None,
 ) -> None:
-    """Write `results/<name>.json`, `.md` and `.png` (one line per `plot['series']` value; no plot if `None`).
+    """Write `<results dir>/<name>.json`, `.md` and `.png` (one line per `plot['series']` value; no plot if `None`).
 
     `notes` (Markdown) goes above the table; `extra` is stored in the JSON beside the rows.
     """
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     data = {"title": title, "env": env, "rows": rows, **(extra or {})}
-    _atomic_write(RESULTS / f"{name}.json", json.dumps(data, indent=1).encode())
+    _atomic_write(out / f"{name}.json", json.dumps(data, indent=1).encode())
     lines = [f"# {title}", ""] + ([notes, ""] if notes else []) + markdown_table(rows, columns)
-    lines += [
-        "",
-        "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items() if k != "command"),
-        "",
-        f"Command: `{env['command']}`",
-        "",
-    ]
-    _atomic_write(RESULTS / f"{name}.md", "\n".join(lines).encode())
+    lines += ["", *provenance_lines(env)]
+    _atomic_write(out / f"{name}.md", "\n".join(lines).encode())
     if plot is None:
         return
 
@@ -93,14 +173,14 @@ def write_results(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = RESULTS / f".{name}.png.tmp.png"
+    tmp = results_dir() / f".{name}.png.tmp.png"
     fig.savefig(tmp, dpi=120)
-    os.replace(tmp, RESULTS / f"{name}.png")
+    os.replace(tmp, results_dir() / f"{name}.png")
     plt.close(fig)
 
 
 def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
-    """Write `results/<name>.png`: one panel per value of `plot['facet']`, one line per `plot['series']` value.
+    """Write `<results dir>/<name>.png`: one panel per value of `plot['facet']`, one line per `plot['series']` value.
 
     `plot['reference']` (a series value whose x is not a number, e.g. full attention) is drawn in each panel as
     a dashed horizontal line; `plot['logx']` puts x on a log2 scale; `plot['styles']` maps a series to its
@@ -172,7 +252,7 @@ def plot_facets(name: str, title: str, rows: list[dict], plot: dict) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, bottom + 0.01, 1, 0.97))
-    tmp = RESULTS / f".{name}.png.tmp.png"
+    tmp = results_dir() / f".{name}.png.tmp.png"
     fig.savefig(tmp, dpi=110)
-    os.replace(tmp, RESULTS / f"{name}.png")
+    os.replace(tmp, results_dir() / f"{name}.png")
     plt.close(fig)

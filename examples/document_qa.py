@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+from long_document_demo import cache_kwarg  # the example beside this one (a script's folder is on sys.path)
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_document_demo import FACTS, build_document, cache_kwarg  # noqa: E402
-
-from shadowkv_cache import PrefixCacheError, ShadowKVCache  # noqa: E402
-from shadowkv_cache.embedded_models import cache_dir, load_smollm2  # noqa: E402
-from shadowkv_cache.prefix import batch_questions  # noqa: E402
+from shadowkv_cache import PrefixCacheError, ShadowKVCache
+from shadowkv_cache.embedded_models import cache_dir, load_smollm2
+from shadowkv_cache.prefix import batch_questions
+from shadowkv_cache.testing import FACTS, build_document
 
 # min_compress_len is below the document so that it really is compressed. The question comes after the compressed
 # document as one multi-token step, which reads every chunk (`dense_multi_token_steps`, the default); answer

@@ -45,11 +45,8 @@ def answers(stdout: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_chat_answers_from_a_compressed_document_and_remembers_the_conversation(smollm2, tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from long_document_demo import build_document
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    from shadowkv_cache.testing import build_document
+
     _, tokenizer = smollm2
     document = tmp_path / "handbook.txt"
     document.write_text(build_document(tokenizer, 1400))  # the vault code 4827 is planted at 20% depth

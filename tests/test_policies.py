@@ -10,9 +10,6 @@ and probe (benchmarks/methods.py, benchmarks/selection_probe.py).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import (
@@ -26,12 +23,10 @@ from helpers import (
     tiny_model,
 )
 
+from benchmarks.methods import METHODS, MODE_CHANGES, PolicyBundle, fork_cache
+from benchmarks.selection_probe import SelectionProbe
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.policies import LandmarkTopK, OracleTopK, Quest, SelectionPolicy, SnapKV, StreamingLLM
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from methods import METHODS, MODE_CHANGES, PolicyBundle, fork_cache  # noqa: E402
-from selection_probe import SelectionProbe  # noqa: E402
 
 POLICIES = [StreamingLLM, SnapKV, LandmarkTopK, Quest, OracleTopK]  # easy to hard
 B, HQ, HKV, C, CS, D, T = 2, 4, 2, 12, 4, 16, 1

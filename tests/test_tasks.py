@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from tasks import TASKS  # noqa: E402
-from tasks.text2json import parse_records  # noqa: E402
-from tasks.text2json import score as text2json_score  # noqa: E402
+from benchmarks.tasks import TASKS
+from benchmarks.tasks.text2json import parse_records
+from benchmarks.tasks.text2json import score as text2json_score
 
 
 class WordTokenizer:
@@ -150,7 +147,7 @@ def test_text2json_records_are_scattered_and_typed():
 
 @pytest.mark.slow
 def test_multi_turn_rendering_puts_gold_answers_in_the_history(smollm2):
-    from accuracy_core import render_segments
+    from benchmarks.accuracy_core import render_segments
 
     _, tokenizer = smollm2
     samples = [TASKS["multi_turn"].generate(seed, 400, tokenizer) for seed in range(3)]

@@ -1,0 +1,61 @@
+"""What bytes alone allow a decode step: the full-attention roofline and the ShadowKV and YAKV bounds.
+
+Legend: B batch, S context tokens, L layers, Hkv KV heads, D head dim, c chunk size, K selected chunks (YAKV:
+tokens) per KV head, h hit rate, E YAKV record bytes.
+
+A step reads the weights and each row's attended state from HBM, and (offloaded modes) fetches what it misses over
+PCIe; its time is at least HBM bytes / HBM bandwidth + PCIe bytes / PCIe bandwidth. Figures assume bf16 K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shadowkv_cache.testing import layer_sizes
+
+PCIE_ZERO_COPY = 50e9  # bytes/s of the zero-copy gather of 2 KiB chunks measured on the H200 (47-51 GB/s)
+
+
+def kv_bytes_per_token(cfg) -> int:
+    """Bytes of one token's K and V over all layers (bf16)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+def full_attention_step(weights: int, batch: int, length: int, cfg, hbm_bw: float) -> float:
+    """Seconds per step of full attention at the HBM roofline: weights + B x the full K/V of S tokens."""
+    return (weights + batch * length * kv_bytes_per_token(cfg)) / hbm_bw
+
+
+def shadowkv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float, float, float]:
+    """`(seconds, HBM bytes, PCIe bytes)` per step: HBM (weights, landmarks, attended set) + PCIe (missed values)."""
+    cfg = model.config
+    sizes = layer_sizes(model, config, length, dtype=torch.bfloat16)
+    size = sizes.resolved
+    per_head = cfg.num_key_value_heads * cfg.head_dim * 2
+    attended = (size.outliers + size.budget_chunks) * config.chunk_size + size.local + 64
+    per_layer = size.num_chunks * per_head + 3 * 2 * attended * per_head  # landmarks + cat write/read + attend
+    hbm = weights + batch * cfg.num_hidden_layers * per_layer
+    pcie = (
+        batch
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * size.budget_chunks
+        * (1 - h)
+        * (config.chunk_size * per_head / cfg.num_key_value_heads)
+    )
+    pcie *= sizes.value_bits / 16
+    return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
+
+
+def yakv_bound(model, config, length, batch, weights, hbm_bw) -> tuple[float, float, float]:
+    """`(seconds, HBM bytes, PCIe bytes)` per step in YAKV mode: HBM (weights, scoring codes and norms, attended set)
+    + PCIe (every selected token's record, each step: YAKV keeps no temporal cache)."""
+    cfg = model.config
+    sizes = layer_sizes(model, config, length)
+    size = sizes.resolved
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
+    attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
+    hbm = weights + batch * cfg.num_hidden_layers * (scoring + 3 * attended)  # dequant write, cat write/read
+    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * sizes.record_bytes
+    return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie

@@ -1,0 +1,33 @@
+"""Full-attention caches filled with random K/V at a context length, for the speed benchmarks' batch sweeps.
+
+Legend: B batch, S context tokens, Hkv KV heads, D head dim. Compressed caches come from
+`shadowkv_cache.testing.synthetic_cache`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+
+def fill_dynamic(model, batch: int, length: int, device: torch.device) -> DynamicCache:
+    """A `DynamicCache` holding random keys and values `[B, Hkv, S, D]` in every layer."""
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, device=device, dtype=model.dtype),
+                     torch.randn(shape, device=device, dtype=model.dtype), i)  # fmt: skip
+    return cache
+
+
+def fill_static(model, batch: int, length: int, device: torch.device, extra: int) -> StaticCache:
+    """A `StaticCache` of `S + extra` slots whose first `S` hold random keys and values in every layer."""
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=length + extra)
+    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+    pos = torch.arange(length, device=device)
+    for i in range(cfg.num_hidden_layers):
+        k = torch.randn(shape, device=device, dtype=model.dtype)
+        cache.update(k, torch.randn_like(k), i, {"cache_position": pos})
+    return cache

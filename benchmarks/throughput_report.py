@@ -1,0 +1,130 @@
+"""The throughput benchmark's record: rows written after each measurement (JSON, Markdown), the plot, and the
+summary rows (each method's best tokens/s per context against this run's baselines), also for a stored run.
+
+Legend: h hit rate.
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.results_io import results_dir, write_results
+from benchmarks.speed import log
+
+TITLE = "Decode throughput: ShadowKV vs full attention (Llama-3.1-8B shape, random bf16)"
+
+
+class Recorder:
+    COLUMNS = ["context", "method", "value_format", "fill", "batch", "h_target", "hit_rate", "tok_s", "step_ms",
+               "peak_gpu_gib", "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share", "bound_ms",
+               "note"]  # fmt: skip
+
+    def __init__(self, name, env):
+        self.name, self.env, self.rows = name, env, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        log("RESULT", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        self.write(plot=False)
+
+    def write(self, plot=True) -> None:
+        try:
+            write_results(self.name, TITLE, self.env, self.rows, self.COLUMNS, None)
+            if plot:
+                self.plot(TITLE)
+        except Exception as err:  # never lose a run to a plotting problem
+            log("could not write results:", err)
+
+    def plot(self, title) -> None:
+        """Best decode tokens/s per method and context (ShadowKV at each hit rate), log scale."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        series: dict[str, dict[int, float]] = {}
+        for r in self.rows:
+            if (
+                not isinstance(r.get("tok_s"), (int, float))
+                or r["method"] == "summary"
+                or r.get("fill") == "real prefill"
+            ):
+                continue
+            label = r["method"] + (f" {r.get('value_format')} h={r['h_target']}" if r["method"] == "shadowkv" else "")
+            best = series.setdefault(label, {})
+            best[r["context"]] = max(best.get(r["context"], 0.0), r["tok_s"])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, pts in sorted(series.items()):
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s at best batch")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(results_dir() / f"{self.name}.png", dpi=120)
+        plt.close(fig)
+
+
+def add_summary(rec: Recorder, contexts: list[int], value_formats: list[str], h_sweep: float) -> None:
+    """Summary rows: each method's best tokens/s per context as ratios to this run's baselines (the best
+    DynamicCache batch, the full-attention roofline, and for YAKV the best ShadowKV batch per value format)."""
+    rec.rows = [r for r in rec.rows if r["method"] != "summary"]
+    for length in contexts:
+        dynamic = [
+            r
+            for r in rec.rows
+            if r["context"] == length
+            and r["method"] == "dynamic"
+            and r.get("fill") == "synthetic"
+            and isinstance(r.get("tok_s"), float)
+        ]
+        dyn = max(dynamic, key=lambda r: r["tok_s"], default=None)
+        roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
+        roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
+        tops = {}
+        for method, value_format in [("shadowkv", f) for f in value_formats] + [("yakv", None)]:
+            rows = [
+                r
+                for r in rec.rows
+                if r["context"] == length
+                and r["method"] == method
+                and r.get("fill") == "synthetic"
+                and (method == "yakv" or (r.get("value_format") == value_format and r.get("h_target") == h_sweep))
+            ]
+            if not rows:
+                continue
+            top = tops[(method, value_format)] = max(rows, key=lambda r: r["tok_s"])
+            notes = []
+            if dyn:
+                notes.append(f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best")
+                notes[-1] += f" ({dyn['tok_s']:.1f} tok/s at batch {dyn['batch']})"
+            if roof_best:
+                notes.append(f"x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at its best batch")
+                notes[-1] += f" ({roof_best['tok_s']:.1f})"
+            if method == "yakv":
+                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {f} best ({t['tok_s']:.1f})"
+                          for (m, f), t in tops.items() if m == "shadowkv"]  # fmt: skip
+            if notes:
+                rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
+                             batch=top["batch"], h_target=top.get("h_target"), tok_s=top["tok_s"],
+                             note=f"{method}: " + "; ".join(notes)))  # fmt: skip
+
+
+def replot(name: str, h_sweep: float, note: str | None) -> None:
+    """Summary rows and plot of a stored run from its rows alone (a run cut short never wrote them)."""
+    stored = json.loads((results_dir() / f"{name}.json").read_text())
+    env = stored["env"]
+    if note:
+        env["note"] = note
+    rec = Recorder(name, env)
+    rec.rows = stored["rows"]
+    contexts = sorted({r["context"] for r in rec.rows})
+    formats = list(
+        dict.fromkeys(r["value_format"] for r in rec.rows if r["method"] == "shadowkv" and "value_format" in r)
+    )
+    add_summary(rec, contexts, formats, h_sweep)
+    rec.write(plot=True)

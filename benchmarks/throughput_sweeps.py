@@ -1,0 +1,249 @@
+"""The throughput benchmark's measurements: real prefills at batch 1, then batch sweeps of full attention, ShadowKV
+and YAKV over synthetic caches, each row added to the run's record as soon as it is measured.
+
+Legend: B batch, S context tokens, L layers, h hit rate. The plan is in `throughput.py`'s docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_bound, yakv_bound
+from benchmarks.fills import fill_dynamic, fill_static
+from benchmarks.speed import GiB, decode, free, hit_rate, log, peak_gpu_gib, reset_peak, sync
+from benchmarks.throughput_report import Recorder
+from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.testing import layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
+
+GENERATED_FOR_MEMORY = 256
+
+
+@dataclasses.dataclass
+class Run:
+    """What every measurement of one run shares."""
+
+    args: argparse.Namespace
+    model: torch.nn.Module
+    config: ShadowKVConfig
+    device: torch.device
+    contexts: list[int]
+    batches: list[int]
+    rec: Recorder
+    weights: int  # bytes of the weights a step reads (all but the embedding)
+    hbm_bw: float
+    total_gpu: int
+
+    @property
+    def cfg(self):
+        return self.model.config
+
+    @property
+    def methods(self) -> list[str]:
+        return self.args.methods.split(",")
+
+
+def prefill_runs(run: Run) -> None:
+    """1. A real prefill at batch 1 per context and method, and a decode of the compressed caches (their step
+    latency, GPU bytes per sequence after 256 generated tokens, and hit rate of random weights)."""
+    model, cfg, config, device, args = run.model, run.cfg, run.config, run.device, run.args
+    for length in run.contexts:
+        ids = torch.randint(0, cfg.vocab_size, (1, length), device=device)
+        times = {}
+        if device.type == "cuda":  # a server pins its value pool once; prefills then reuse its blocks
+            pinned_blocks(cfg.num_hidden_layers, layer_sizes(model, config, length).host_bytes_per_row)
+        for method in ("dynamic", "shadowkv", "yakv") if "yakv" in args.methods else ("dynamic", "shadowkv"):
+            if method == "dynamic":
+                cache = DynamicCache(config=cfg)
+            else:
+                cache = ShadowKVCache(model, config=dataclasses.replace(config, mode=method))
+            free(device)
+            reset_peak(device)
+            sync(device)
+            t = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            sync(device)
+            times[method] = time.perf_counter() - t
+            log(f"prefill {length} {method}: {times[method]:.2f} s")
+            row = dict(context=length, method=method, fill="real prefill", batch=1, prefill_s=times[method])
+            if method != "dynamic":
+                row["compress_share"] = (times[method] - times["dynamic"]) / times[method]
+                steps = GENERATED_FOR_MEMORY if not args.small else 8
+                step = decode(model, cache, 1, 0, steps, device)
+                report = cache.memory_report()
+                row.update(step_ms=step * 1e3, tok_s=1 / step, hit_rate=report.hit_rate, note=f"{steps} steps, own selection",  # noqa: E501
+                           gpu_bytes_per_seq_gib=report.gpu_bytes / GiB,
+                           full_kv_per_seq_gib=(length + steps) * kv_bytes_per_token(cfg) / GiB)  # fmt: skip
+            if device.type == "cuda":
+                row["peak_gpu_gib"] = peak_gpu_gib(device)
+            run.rec.add(row)
+            del cache
+            free(device)
+    if device.type == "cuda":
+        release_pinned()
+
+
+def full_attention_sweeps(run: Run) -> None:
+    """2. DynamicCache over the batch sweep (until the GPU is full) and StaticCache at one point, synthetic fill;
+    then the full-attention roofline at Dynamic's best batch and at the largest batch that fits."""
+    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    kv = kv_bytes_per_token(cfg)
+    best = {}
+    for method in [m for m in ("dynamic", "static") if m in run.methods and not (m == "static" and args.no_static)]:
+        for length in run.contexts:
+            if method == "static" and length != run.contexts[0]:
+                continue  # uncompiled StaticCache decodes ~10x slower than DynamicCache: one point shows it
+            held = length + args.warm + args.steps + 1
+            fits = int((run.total_gpu / 1.02 - run.weights) // (held * kv))
+            sweep = sorted({b for b in run.batches if b <= fits} | ({fits} if 0 < fits < run.batches[-1] else set()))
+            for batch in sweep if method == "dynamic" else [1]:
+                need = run.weights + batch * held * kv * 1.02
+                if need > run.total_gpu:
+                    log(f"{method} {length} batch {batch}: needs {need / GiB:.0f} GiB > GPU, stop")
+                    break
+                cache = None
+                try:
+                    free(device)
+                    reset_peak(device)
+                    if method == "dynamic":
+                        cache = fill_dynamic(model, batch, length, device)
+                    else:
+                        cache = fill_static(model, batch, length, device, args.warm + args.steps + 1)
+                    step = decode(model, cache, batch, args.warm, args.steps, device)
+                except torch.OutOfMemoryError:
+                    log(f"{method} {length} batch {batch}: out of GPU memory")
+                    del cache
+                    free(device)
+                    break
+                except Exception as err:  # StaticCache "if it runs"
+                    log(f"{method} {length} batch {batch}: failed: {err!r}")
+                    run.rec.add(dict(context=length, method=method, batch=batch, note=f"failed: {type(err).__name__}"))
+                    del cache
+                    free(device)
+                    break
+                row = dict(context=length, method=method, fill="synthetic", batch=batch, tok_s=batch / step,
+                           step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                           gpu_bytes_per_seq_gib=length * kv / GiB)  # fmt: skip
+                run.rec.add(row)
+                del cache
+                free(device)
+                if method == "dynamic" and row["tok_s"] > best.get(length, {}).get("tok_s", 0):
+                    best[length] = row
+    for length, row in best.items():
+        for b in sorted({row["batch"], int((run.total_gpu - run.weights) // (length * kv))}):
+            if b < 1:
+                continue
+            t = full_attention_step(run.weights, b, length, cfg, run.hbm_bw)
+            where = " (Dynamic's best batch)" if b == row["batch"] else " (largest batch that fits)"
+            run.rec.add(dict(context=length, method="full-attention roofline", batch=b, tok_s=b / t, step_ms=t * 1e3,
+                             note="HBM bytes / measured copy bandwidth" + where))  # fmt: skip
+
+
+def host_blocks(run: Run) -> list[torch.Tensor] | None:
+    """On CUDA, one flat pinned block per layer of `--host-gib` in all, pinned once and reused by every synthetic
+    cache of the run (pinning is slow); None elsewhere."""
+    if run.device.type != "cuda" or not ({"shadowkv", "yakv"} & set(run.methods)):
+        return None
+    t = time.perf_counter()
+    layers = run.cfg.num_hidden_layers
+    blocks = pinned_blocks(layers, int(run.args.host_gib * GiB // layers))
+    log(f"pinned pool: {pinned_bytes() / GiB:.1f} GiB pinned ({time.perf_counter() - t:.1f} s)")
+    return blocks
+
+
+def _host_sweep(run: Run, row_host: int, align: int) -> tuple[list[int], int]:
+    """The batches of the sweep whose host bytes fit one layer's block (`row_host` per row, `align` bytes of slack),
+    with the largest that fits added, and that largest."""
+    max_rows = max(1, int((run.args.host_gib * GiB // run.cfg.num_hidden_layers - align) // row_host))
+    sweep = [b for b in run.batches if b <= max_rows]
+    if max_rows not in sweep and max_rows < run.batches[-1]:
+        sweep.append(max_rows)
+    return sweep, max_rows
+
+
+def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
+    """3. Per context and value format: ShadowKV over the batch sweep at the controlled hit rate `--h-sweep`, up to
+    the host budget (quantised values fit more rows), then `--extra-h` hit rates at the best batch."""
+    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    for length in run.contexts if "shadowkv" in run.methods else []:
+        for value_format in args.value_formats.split(","):
+            fmt_config = dataclasses.replace(run.config, value_format=value_format)
+            row_host = layer_sizes(model, fmt_config, length, dtype=torch.bfloat16).host_bytes_per_row
+            sweep, max_rows = _host_sweep(run, row_host, 256)  # 256 bytes between payload and scales
+            log(f"shadowkv {length} {value_format}: host values {row_host * cfg.num_hidden_layers / GiB:.2f} GiB "
+                f"per row, up to {max_rows} rows")  # fmt: skip
+            best_row = None
+            plan = [(b, args.h_sweep) for b in sweep]
+            i = 0
+            while i < len(plan):
+                batch, h = plan[i]
+                i += 1
+                cache = None
+                try:
+                    free(device)
+                    reset_peak(device)
+                    policy = LandmarkTopK() if h is None else None  # None: the model's own selection
+                    cache = synthetic_cache(model, batch, length, fmt_config, policy, hit_rate=h, host_blocks=blocks)
+                    step = decode(model, cache, batch, args.warm, args.steps, device)
+                except torch.OutOfMemoryError:
+                    log(f"shadowkv {length} {value_format} batch {batch}: out of GPU memory")
+                    del cache
+                    free(device)
+                    if i <= len(sweep):  # larger batches would not fit either: on to the other hit rates
+                        sweep, plan = sweep[: i - 1], plan[: i - 1]
+                        if best_row is not None:
+                            plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
+                        i = len(sweep)
+                    continue
+                hr = hit_rate(cache)
+                bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
+                row = dict(context=length, method="shadowkv", value_format=value_format, fill="synthetic",
+                           batch=batch, h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step,
+                           step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                           host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
+                           hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9)  # fmt: skip
+                run.rec.add(row)
+                del cache
+                free(device)
+                if h == args.h_sweep and (best_row is None or row["tok_s"] > best_row["tok_s"]):
+                    best_row = row
+                if i == len(sweep) and best_row is not None:  # sweep done: other hit rates at the best batch
+                    plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
+            free(device)
+
+
+def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
+    """4. Per context: YAKV mode over the batch sweep up to the host budget. Every step scores every token from the
+    device codes and fetches the top k tokens' 4-bit key and value records; no temporal cache, no hit rate."""
+    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
+    yakv_config = dataclasses.replace(run.config, mode="yakv", rank="auto", sparse_budget=None)
+    for length in run.contexts if "yakv" in run.methods else []:
+        row_host = layer_sizes(model, yakv_config, length).host_bytes_per_row
+        sweep, max_rows = _host_sweep(run, row_host, 0)
+        log(f"yakv {length}: host records {row_host * cfg.num_hidden_layers / GiB:.2f} GiB per row, "
+            f"up to {max_rows} rows")  # fmt: skip
+        for batch in sweep:
+            cache = None
+            try:
+                free(device)
+                reset_peak(device)
+                cache = synthetic_cache(model, batch, length, yakv_config, host_blocks=blocks)
+                step = decode(model, cache, batch, args.warm, args.steps, device)
+            except torch.OutOfMemoryError:
+                log(f"yakv {length} batch {batch}: out of GPU memory")
+                del cache
+                free(device)
+                break
+            bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, run.weights, run.hbm_bw)
+            run.rec.add(dict(context=length, method="yakv", value_format="higgs4 k+v", fill="synthetic", batch=batch,
+                             tok_s=batch / step, step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                             host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
+                             hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
+            del cache
+            free(device)
