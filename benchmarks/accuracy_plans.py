@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from benchmarks.methods import EXTENSIONS, METHODS
+from shadowkv_cache import ShadowKVConfig
 
-__all__ = ["PLANS", "Config", "Plan", "configs_for", "plan_methods"]
+__all__ = ["PLANS", "Config", "Plan", "configs_for", "default_budget", "plan_methods", "rank_rule"]
 
 
 @dataclass
 class Plan:
     """What one run measures. Every method runs with exact keys (rank `Hkv*D`: the selection alone), and the
-    `default_rank_methods` also at the scaled default rank (ShadowKV as shipped: 32 for SmolLM2)."""
+    `default_rank_methods` also at the default rank (`rank="auto"`: ShadowKV as shipped, each layer's own rank)."""
 
     tasks: list[str]
     length: int  # prompt tokens (about)
@@ -31,7 +32,7 @@ class Plan:
     fidelity_steps: int  # teacher-forced steps
     greedy_tokens: int
     extra_lengths: dict[str, list[int]] = field(default_factory=dict)  # task -> other lengths (default budget)
-    default_budget: int = 256  # ShadowKV's default for prompts up to 16K: max(256, 1.5625% of S)
+    budget: int | None = None  # the budget of the non-budget tasks; None: the package default at `length`
     seed: int = 0
     methods: list[str] | None = None  # None: every method but the YAKV extensions
     chunk_overrides: dict = field(default_factory=dict)  # config changes for the ShadowKV-mode methods
@@ -41,6 +42,15 @@ class Plan:
 
 def plan_methods(plan: Plan) -> list[str]:
     return plan.methods or [m for m in METHODS if m not in EXTENSIONS]
+
+
+def default_budget(plan: Plan, length: int | None = None) -> int:
+    """Tokens per KV head the package selects by default for a `length`-token prompt (the plan's length unless
+    given): `max(2048, 1.5625% of S)`, at most `S/4`, in whole chunks; or the plan's fixed `budget`."""
+    if plan.budget is not None:
+        return plan.budget
+    config = ShadowKVConfig(min_compress_len=1)  # the runs compress shorter prompts than the package would
+    return config.resolve(length or plan.length, 1).budget_chunks * config.chunk_size
 
 
 PLANS = {
@@ -101,6 +111,7 @@ PLANS = {
         fidelity_steps=16,
         greedy_tokens=2,
         methods=["shadowkv", "oracle", "yakv", "yakv_residual", "yakv_shared"],
+        budget=256,
         chunk_overrides={"local_window": 64},
         count_kept=True,
         notes="""**Selection plan.** ShadowKV-mode methods (`shadowkv`, the chunk `oracle`) run here with
@@ -124,14 +135,19 @@ is the chunk oracle (best chunks per head), of a YAKV row the token oracle (best
 @dataclass(frozen=True)
 class Config:
     method: str
-    rank: int | str | None  # None = the scaled default, "full" = Hkv*D (exact keys)
+    rank: int | str | None  # None = the default (rank="auto"), "full" = Hkv*D (exact keys)
     chunk: int
     budget: int
 
 
+def rank_rule(cfg: Config) -> str:
+    """How a setting's keys were factorised: "auto" (the default), "exact" (rank Hkv*D) or "fixed" (a given rank)."""
+    return "auto" if cfg.rank is None else "exact" if cfg.rank == "full" else "fixed"
+
+
 def configs_for(plan: Plan, task: str, length: int) -> list[Config]:
     """The (method, rank, chunk size, budget) settings run on `task` at `length` (full attention comes on top)."""
-    default = plan.default_budget
+    default = default_budget(plan, length)
     if length != plan.length:  # other lengths: ShadowKV as shipped and the oracle, exact keys too
         return [Config(m, r, 8, default) for r in ("full", None) for m in ("shadowkv", "oracle")]
     budgets = plan.budgets if task in plan.budget_tasks else [default]

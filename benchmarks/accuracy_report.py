@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-from benchmarks.accuracy_plans import Plan
+from benchmarks.accuracy_plans import Plan, default_budget
 from benchmarks.methods import METHODS, MODE_CHANGES
 from benchmarks.results_io import environment, markdown_table, plot_facets, results_dir, write_results
-from shadowkv_cache import ShadowKVConfig
 
 __all__ = ["Report", "replot"]
 
@@ -24,7 +23,10 @@ def label(row: dict, key_dim: int) -> str:
     if row["method"] in MODE_CHANGES:
         return f"{row['method']} (4-bit K/V, token top-k)"
     suffix = "" if row["chunk"] == 8 else f", c={row['chunk']}"
-    keys = "exact keys" if row["rank"] >= key_dim else f"rank {row['rank']}"
+    if row.get("rank_rule") == "auto":
+        keys = "rank auto"
+    else:
+        keys = "exact keys" if row["rank"] >= key_dim else f"rank {row['rank']}"
     return f"{row['method']} ({keys}{suffix})"
 
 
@@ -46,19 +48,22 @@ def summary_tables(rows: list[dict], default_budget: int) -> str:
 
 def _series_order(row: dict) -> tuple:
     methods = ["full", *METHODS]
-    return (methods.index(row["method"]), -row["rank"], row["chunk"] if isinstance(row["chunk"], int) else 0)
+    auto = row.get("rank_rule") == "auto"
+    rank = -row["rank"] if not auto else 0
+    return (methods.index(row["method"]), auto, rank, row["chunk"] if isinstance(row["chunk"], int) else 0)
 
 
 NOTES = """Every method runs inside the same `ShadowKVCache`: the same low-rank pre-RoPE keys (rank column; "exact" =
-`Hkv*D`, i.e. keys rebuilt exactly), outlier chunks (`max(4, 0.3% of S/c)` per head), 32-token local window and
-host value store; only the selection policy and `sparse_budget` (tokens selected per KV head, per layer and step,
-on top of outliers, local window and generated tokens) change. Methods: `full` = the model's own `DynamicCache`;
-`shadowkv` = landmark top-k (`LandmarkTopK`); `quest` = per-chunk min/max bound; `streaming_llm` = first chunk +
-most recent chunks (evicting); `snapkv` = chunks voted by the last 32 prompt queries (evicting); `oracle` =
-top-k by exact attention mass (upper bound for chunk selection). `yakv` runs in its own cache (`mode="yakv"`, own
-prefill): 4-bit keys and values on the host, tokens (not chunks) chosen from 2-bit keys on the device, the last
-64 prompt tokens exact; its rank and chunk columns do not apply, and its recall and oracle recall are over tokens
-(the oracle being the best `budget` tokens), so compare them with the chunk methods' at equal budget with care.
+`Hkv*D`, i.e. keys rebuilt exactly; "rank auto" = the package default `rank="auto"`, each layer's own rank, the `rank`
+column then holding the mean over layers), outlier chunks (`max(4, 0.3% of S/c)` per head), 32-token local window and
+host value store; only the selection policy and `sparse_budget` (tokens selected per KV head, per layer and step, on top
+of outliers, local window and generated tokens) change. Methods: `full` = the model's own `DynamicCache`; `shadowkv` =
+landmark top-k (`LandmarkTopK`); `quest` = per-chunk min/max bound; `streaming_llm` = first chunk + most recent chunks
+(evicting); `snapkv` = chunks voted by the last 32 prompt queries (evicting); `oracle` = top-k by exact attention mass
+(upper bound for chunk selection). `yakv` runs in its own cache (`mode="yakv"`, own prefill): 4-bit keys and values on
+the host, tokens (not chunks) chosen from 2-bit keys on the device, the last 64 prompt tokens exact; its rank and chunk
+columns do not apply, and its recall and oracle recall are over tokens (the oracle being the best `budget` tokens), so
+compare them with the chunk methods' at equal budget with care.
 
 - accuracy: the task's score in [0, 1], averaged over samples (and turns); for `fidelity`, teacher-forced top-1
   agreement with full attention on natural text (plus `mean_kl`, `greedy_match`).
@@ -88,6 +93,7 @@ class Report:
         "prompt_tokens",
         "method",
         "rank",
+        "rank_rule",
         "chunk",
         "budget",
         "accuracy",
@@ -99,7 +105,6 @@ class Report:
 
     def __init__(self, name: str, args, plan: Plan, dtype_name: str, key_dim: int):
         self.name, self.args, self.plan, self.dtype_name, self.key_dim = name, args, plan, dtype_name, key_dim
-        self.default_rank = ShadowKVConfig().resolve(10**6, key_dim).rank
         self.rows: list[dict] = []
         self.started = time.perf_counter()
         self.env: dict | None = None  # set when re-rendering a stored run
@@ -117,12 +122,13 @@ class Report:
         self.write()
 
     def styles(self, rows: list[dict]) -> dict[str, dict]:
-        """One colour per method; solid = exact keys, dashed = the default rank, dotted = other ranks."""
+        """One colour per method; solid = exact keys, dashed = the default rank (auto), dotted = other ranks."""
         colors = {"full": "black", **{m: f"C{i + (i >= 7)}" for i, m in enumerate(METHODS)}}
         markers = {16: "v", 64: "^", 96: "D", 128: "P"}
         out = {}
         for r in sorted(rows, key=_series_order):
-            exact, default = r["rank"] >= self.key_dim, r["rank"] == self.default_rank
+            default = r.get("rank_rule") == "auto"
+            exact = r["rank"] >= self.key_dim and not default
             ls = "-" if exact else "--" if default else ":"
             marker = "o" if exact else "s" if default else markers.get(r["rank"], "x")
             out.setdefault(r["series"], {"color": colors[r["method"]], "ls": ls, "marker": marker})
@@ -144,7 +150,7 @@ class Report:
             [
                 *([plan.notes] if plan.notes else []),
                 NOTES,
-                summary_tables(at_length, plan.default_budget),
+                summary_tables(at_length, default_budget(plan)),
                 f"Wall time of the run: {env['minutes']} min. Plots: `{name}.png` (accuracy) and "
                 f"`{name}_recall.png` (selection recall) against the budget, one panel per task; `{name}_bytes.png` "
                 "(mass covered against bf16 host-to-device bytes per step, exact keys, with the oracles).",

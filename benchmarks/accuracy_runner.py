@@ -108,7 +108,7 @@ class Runner:
         return {
             "nominal_bytes": figures.selected_units * cfg.chunk * self.head_dim * 2 * self.num_kv_heads,  # bf16
             "value_bytes_bf16": value_bytes * 2 // self.elem,
-            "rank": figures.rank,  # the rank used
+            "rank": mean_rank(cache),
             "recall_mass": recall,
             "oracle_mass": oracle,
             "units": units,
@@ -117,6 +117,12 @@ class Runner:
             "hits": figures.hits,
             "lookups": figures.lookups,
         }
+
+
+def mean_rank(cache: ShadowKVCache) -> float:
+    """The mean rank of the key factors over the compressed layers (`rank="auto"` picks one per layer)."""
+    ranks = [layer.rank for layer in cache.memory_report().layers if layer.rank is not None]
+    return round(sum(ranks) / len(ranks), 1) if ranks else 0.0
 
 
 def summarise_stats(a: dict) -> dict:

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.accuracy_core import answer_turns, left_pad, prefill, render_segments, teacher_forced
-from benchmarks.accuracy_plans import Plan, configs_for
+from benchmarks.accuracy_plans import Plan, configs_for, rank_rule
 from benchmarks.accuracy_runner import Runner, summarise_stats
 from benchmarks.tasks import TASKS
 from shadowkv_cache.fidelity import natural_text_ids
@@ -96,7 +96,7 @@ def run_task(runner: Runner, task: str, length: int, plan: Plan, bar) -> list[di
             full_kv = 2 * runner.num_layers * runner.key_dim * prompt_tokens * runner.elem
             row.update(method="full", rank=runner.key_dim, chunk="", budget="all", h2d_kib_per_step=full_kv / 1024)
         else:
-            row.update(method=key.method, rank=int(t["rank"]), chunk=key.chunk, budget=key.budget)
+            row.update(method=key.method, rank=t["rank"], rank_rule=rank_rule(key), chunk=key.chunk, budget=key.budget)
             row.update(summarise_stats(t))
         rows.append(row)
     return rows
@@ -154,6 +154,7 @@ def run_fidelity(runner: Runner, length: int, plan: Plan, bar) -> list[dict]:
             same = (greedy_tokens(runner.fork(base, cfg)[0]) == full_greedy).int()
             match = torch.where(same.all(-1), greedy, (1 - same).argmax(-1)).float().mean().item()
             row = {"task": "fidelity", "method": cfg.method, "rank": stats["rank"], "chunk": cfg.chunk}
+            row["rank_rule"] = rank_rule(cfg)
             row.update(budget=cfg.budget, length=length, prompt_tokens=length, samples=rows_n, accuracy=agreement)
             row.update(mean_kl=kl, greedy_match=match, seconds=round(time.perf_counter() - start, 1))
             row.update(summarise_stats(stats))
