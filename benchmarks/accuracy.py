@@ -65,6 +65,7 @@ def parse_args() -> tuple[argparse.Namespace, Plan, list[str]]:
     parser.add_argument("--fidelity-rows", type=int, help="natural-text windows of the fidelity task")
     parser.add_argument("--sweep-ranks", type=int, nargs="*", help="ranks of the sweep (default: the plan's)")
     parser.add_argument("--sweep-chunks", type=int, nargs="*", help="chunk sizes of the sweep (default: the plan's)")
+    parser.add_argument("--sweep-tasks", nargs="*", help="tasks the rank / chunk sweeps run on (default: fidelity)")
     parser.add_argument(
         "--fidelity-lengths", type=int, nargs="*", help="other prompt lengths for fidelity (after --no-sweeps too)"
     )
@@ -96,6 +97,8 @@ def parse_args() -> tuple[argparse.Namespace, Plan, list[str]]:
         plan.sweep_ranks = args.sweep_ranks
     if args.sweep_chunks is not None:
         plan.sweep_chunks = args.sweep_chunks
+    if args.sweep_tasks is not None:
+        plan.sweep_tasks = args.sweep_tasks
     if args.fidelity_lengths is not None:
         plan.extra_lengths = {**plan.extra_lengths, "fidelity": args.fidelity_lengths}
     tasks = args.tasks or ["fidelity", *plan.tasks]

@@ -66,7 +66,14 @@ def command_line() -> str:
 @functools.cache
 def git_state() -> tuple[str | None, bool | None]:
     """`(commit, dirty)` of the repository the benchmarks run from, once per process (before any result is written);
-    dirty: tracked or untracked changes outside `benchmarks/results/`. `(None, None)` outside a git checkout."""
+    dirty: tracked or untracked changes outside `benchmarks/results/`. `(None, None)` outside a git checkout.
+
+    A copy of the tree on another machine may carry a stale `.git`: there `SHADOWKV_SOURCE_COMMIT` names the commit the
+    tree was copied from (`git rev-parse HEAD` where it was made, with no uncommitted changes), and that is recorded.
+    """
+    given = os.environ.get("SHADOWKV_SOURCE_COMMIT")
+    if given:
+        return given, False
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, check=True).stdout
