@@ -119,3 +119,80 @@ def test_outlier_chunks_find_planted_outliers(planted):
 def test_no_outliers_requested():
     chunk_keys = torch.randn(NUM_KV_HEADS, 4, 8, 16)
     assert outlier_chunks(chunk_keys, chunk_landmarks(chunk_keys), 0).shape == (NUM_KV_HEADS, 0)
+
+
+# -- rank="auto": the smallest rank whose rebuilt keys keep the probe's attention logits close -------------------
+
+
+def _identity_rope(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return keys
+
+
+def _probe_errors(keys: torch.Tensor, queries: torch.Tensor, rank: int, heads: int) -> tuple[float, float]:
+    """(relative centred-logit error, attention-weighted error in nats) of rank-`rank` keys, computed directly."""
+    dim = keys.shape[1] // heads
+    a, b = factorize_keys(keys, rank)
+    exact = keys.view(-1, heads, dim).transpose(0, 1)
+    rebuilt = reconstruct_keys(a, b).view(-1, heads, dim).transpose(0, 1)
+    q = queries.reshape(heads, -1, dim)
+    logits, approx = q @ exact.transpose(1, 2), q @ rebuilt.transpose(1, 2)
+    relative = float((approx - logits).norm() / (logits - logits.mean(-1, keepdim=True)).norm())
+    p = (logits * dim**-0.5).softmax(-1)
+    delta = (approx - logits) * dim**-0.5
+    delta = delta - (p * delta).sum(-1, keepdim=True)
+    return relative, float((p * delta.abs()).sum(-1).mean())
+
+
+def _haystack_with_needle(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, K]` keys of a repetitive text (rank 8, a wide logit spread) with one needle key along a direction the
+    haystack lacks, and `[H, W, D]` queries that look for it (and along the haystack): the needle is 1 key in 2000,
+    so the logits as a whole change little when a low rank drops it, but attention loses what it looks for."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim, tokens = NUM_KV_HEADS, 32, 2000
+    key_dim = heads * dim
+    basis = torch.linalg.qr(torch.randn(key_dim, key_dim, generator=gen))[0]
+    keys = (torch.randn(tokens, 8, generator=gen) * 4) @ basis[:, :8].T
+    keys += 0.01 * torch.randn(tokens, key_dim, generator=gen)
+    keys[1234] = basis[:, 40] * 8
+    queries = (20 * basis[:, 40] + 10 * basis[:, 0]).view(heads, 1, dim).expand(heads, 8, dim)
+    return keys, queries + 0.1 * torch.randn(heads, 8, dim, generator=gen)
+
+
+def _auto_rank(keys, queries, max_error, max_shift, low=8, high=None):
+    from shadowkv_cache.core.low_rank import RankProbe, key_spectrum, rank_for_logit_error
+
+    heads, _, dim = queries.shape
+    exact = keys.view(-1, heads, dim).transpose(0, 1)
+    probe = RankProbe(queries, exact, torch.arange(keys.shape[0]), _identity_rope)
+    _, eigvecs = key_spectrum(keys)
+    return rank_for_logit_error(keys, eigvecs, probe, max_error, low, high or keys.shape[1] - 8, max_shift)
+
+
+@pytest.mark.parametrize("max_error, max_shift", [(0.2, None), (0.05, None), (0.2, 0.5), (0.05, 0.1), (0.3, 0.05)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auto_rank_is_the_smallest_multiple_of_8_within_both_bounds(max_error, max_shift, seed):
+    """Against the errors computed directly: the chosen rank keeps both, the multiple of 8 below it does not."""
+    keys = low_rank_plus_noise(600, NUM_KV_HEADS * 32, true_rank=40, noise=0.05, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    queries = torch.randn(NUM_KV_HEADS, 16, 32, generator=gen) * 2
+
+    def within(rank):
+        relative, shift = _probe_errors(keys, queries, rank, NUM_KV_HEADS)
+        return relative <= max_error and (max_shift is None or shift <= max_shift)
+
+    rank = _auto_rank(keys, queries, max_error, max_shift)
+    assert rank % 8 == 0 and within(rank)
+    if rank > 8:
+        assert not within(rank - 8)
+
+
+def test_a_needle_that_attention_looks_for_keeps_the_rank_it_needs():
+    """The relative bound alone keeps the haystack's rank and drops the needle (its logits barely move as a whole);
+    the attention-weighted bound keeps the needle's direction, so the rebuilt needle scores as the exact one."""
+    keys, queries = _haystack_with_needle()
+    relative_only = _auto_rank(keys, queries, max_error=0.075, max_shift=None)
+    both = _auto_rank(keys, queries, max_error=0.075, max_shift=0.2)
+    assert relative_only <= 16, relative_only
+    assert _probe_errors(keys, queries, relative_only, NUM_KV_HEADS)[1] > 0.2
+    assert both > relative_only
+    assert _probe_errors(keys, queries, both, NUM_KV_HEADS)[1] <= 0.2

@@ -229,7 +229,7 @@ def test_bad_integrity_options_are_prefix_option_errors(saved, model, options, m
 def test_a_version_2_file_is_refused_naming_its_version(saved, model, tmp_path):
     meta, tensors = read(saved)
     meta["version"] = 2
-    with pytest.raises(PrefixCacheError, match="version 2 predates the digests.*reads version 3"):
+    with pytest.raises(PrefixCacheError, match="version 2 predates the digests.*reads version 4"):
         ShadowKVCache.load_prefix(model, write(tmp_path / "v2.safetensors", meta, tensors))
 
 

@@ -99,6 +99,11 @@ class ShadowKVConfig:
             `rank="auto"`: the relative error of the attention logits (the prompt's last queries against keys
             rebuilt from the factors, logits centred) that each layer's rank must stay within. Lower keeps more rank
             (more device memory, closer to full attention).
+        auto_rank_shift (`float`, *optional*, defaults to 0.2):
+            `rank="auto"`: the error of the attention logits where attention looks, in nats (each query's logit
+            errors, as attention scales them, averaged under its exact attention) that each layer's rank must also
+            stay within: what keeps the rare keys a question attends to (a needle in repetitive text). Lower keeps
+            more rank.
 
     >>> ShadowKVConfig(sparse_budget=0.05, min_compress_len=1024).chunk_size
     8
@@ -119,6 +124,7 @@ class ShadowKVConfig:
     score_grid_dim: int = 4
     recent_window: int = 64
     auto_rank_error: float = 0.075
+    auto_rank_shift: float = 0.2
 
     def __post_init__(self) -> None:
         self.validate()
@@ -178,6 +184,8 @@ class ShadowKVConfig:
                 raise bad(name, getattr(self, name), f"use one of {_GRID_DIMS} (~4 / 2 / 1 bits per value).")
         if not _is_number(self.auto_rank_error) or not 0 < self.auto_rank_error < math.inf:
             raise bad("auto_rank_error", self.auto_rank_error, "use a positive number (the default is 0.075).")
+        if not _is_number(self.auto_rank_shift) or not 0 < self.auto_rank_shift < math.inf:
+            raise bad("auto_rank_shift", self.auto_rank_shift, "use a positive number of nats (the default is 0.2).")
         if not isinstance(self.recent_window, int) or isinstance(self.recent_window, bool) or self.recent_window < 0:
             raise bad("recent_window", self.recent_window, "use an int >= 0 (the YAKV study uses 64).")
         if self.mode == "yakv":
@@ -228,9 +236,9 @@ class ShadowKVConfig:
         local = num_tokens - num_chunks * c
         compressed = num_chunks * c
 
-        max_error = None
+        max_error = max_shift = None
         if self.rank is None or self.rank in RANK_RULES:
-            max_error = self.auto_rank_error
+            max_error, max_shift = self.auto_rank_error, self.auto_rank_shift
             floor, rank = math.ceil(_AUTO_FLOOR_SHARE * key_dim), math.ceil(_AUTO_CEILING_SHARE * key_dim)
         elif isinstance(self.rank, float):
             rank = max(1, math.ceil(self.rank * key_dim))
@@ -256,7 +264,7 @@ class ShadowKVConfig:
         else:
             budget = self.sparse_budget
         budget_chunks = min(math.ceil(budget / c), num_chunks - outliers)
-        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, max_error)
+        return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, max_error, max_shift)
 
 
 @dataclass(frozen=True)
@@ -265,7 +273,8 @@ class ResolvedSizes:
 
     `rank` is the rank of the key factors, or, when `max_logit_error` is set (`rank="auto"`), the largest rank
     allowed: the factorisation then keeps the smallest rank in `[min_rank, rank]` whose keys keep the attention
-    logits of the prompt's last queries within that relative error.
+    logits of the prompt's last queries within that relative error and within `max_logit_shift` nats where
+    attention looks.
     """
 
     num_chunks: int
@@ -275,3 +284,4 @@ class ResolvedSizes:
     local: int
     min_rank: int = 0
     max_logit_error: float | None = None
+    max_logit_shift: float | None = None

@@ -3,7 +3,7 @@
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
 tokens, R rank, O outlier chunks, W local-window tokens.
 
-A prefix file (format version 3, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
+A prefix file (format version 4, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
 keeps of a document: the `CompressedPrompt` tensors (low-rank factors, positions, policy state such as the
 landmarks, outliers, local window, host values), or the exact keys/values of a document shorter than
 `min_compress_len`; plus the token ids. Its safetensors metadata holds one JSON object (key
@@ -40,7 +40,8 @@ from .layout import check_specs, expected_tensors, layer_tensors
 __all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "format_bytes", "write_prefix"]
 
 FORMAT_NAME = "shadowkv-prefix"
-FORMAT_VERSION = 3  # 2: per-layer ranks (rank='auto'); 3: digests of every tensor and the header, all K/V weights
+FORMAT_VERSION = 4  # 2: per-layer ranks (rank='auto'); 3: digests of every tensor and the header, all K/V weights;
+# 4: the rank rule's attention-weighted bound (`auto_rank_shift`) in the config
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")

@@ -275,6 +275,7 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
         older = {
             1: " (version 1 predates per-layer ranks, rank='auto')",
             2: " (version 2 predates the digests of every tensor and the identity over every K/V weight)",
+            3: " (version 3 predates the attention-weighted bound of rank='auto', auto_rank_shift)",
         }.get(version, "")
         raise PrefixCacheError(
             f"{path} uses prefix format version {version}{older}; this shadowkv_cache reads version "

@@ -225,8 +225,10 @@ def compress_prompt(
             row_keys = keys_pre[row, :, span].transpose(0, 1).reshape(size.num_chunks * c, heads * dim)
             probe = None
             if rank_queries is not None and rope is not None:
-                probe = RankProbe(rank_queries[row], keys[row, :, span], positions[row, span], rope)
-            factors[row] = factorize_keys(row_keys, size.rank, size.max_logit_error, size.min_rank, probe)
+                probe = RankProbe(rank_queries[row], keys[row, :, span], positions[row, span], rope, scaling)
+            factors[row] = factorize_keys(
+                row_keys, size.rank, size.max_logit_error, size.min_rank, probe, size.max_logit_shift
+            )
     rank = max(f[0].shape[1] for f in factors if f is not None)
     a = keys.new_zeros((batch, num_chunks * c, rank))
     b = keys.new_zeros((batch, rank, heads, dim))
