@@ -25,8 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shadowkv_cache import PrefixCacheError, ShadowKVCache, unpatch_model
-from shadowkv_cache.prefix import METADATA_KEY, integrity
-from shadowkv_cache.prefix import read as prefix_read
+from shadowkv_cache.prefix import METADATA_KEY, held_file, integrity
 from shadowkv_cache.prefix.errors import PrefixOptionError
 from shadowkv_cache.prefix.format import STALE_AFTER_S, format_bytes
 from shadowkv_cache.prefix.identity import forget_model_identity, identity_weights, model_identity
@@ -293,7 +292,7 @@ def test_concurrent_saves_and_loads_never_mix_two_files(model, tmp_path, monkeyp
     """safetensors maps a file's tensors by path after reading its header: a load must still see one file, both where
     the system names open files (Linux) and where the load has to notice the replacement and read again."""
     if not named_open_file:
-        monkeypatch.setattr(prefix_read, "_open_file_name", lambda held: None)
+        monkeypatch.setattr(held_file, "open_file_name", lambda held: None)
     docs = [random_prompt(DOC, seed=710 + i)[0] for i in range(2)]
     caches = [ShadowKVCache.prefill(model, d, **small()) for d in docs]
     path = tmp_path / "shared.safetensors"

@@ -1,8 +1,9 @@
 """Prefix files: a document's compressed state saved to safetensors and loaded into new caches, and the checks when a
 prefix is used (`batch_questions` builds a batch of questions over one document).
 
-`format.py` names the format and writes files, `read.py` checks and reads them, `layout.py` says which tensors a
-file holds, `identity.py` what identifies the model, `use.py` what is checked when a prefix is used.
+`format.py` names the format and writes files, `read.py` checks and reads them (`held_file.py`: from one file while
+writers replace it), `layout.py` says which tensors a file holds, `identity.py` what identifies the model, `use.py`
+what is checked when a prefix is used.
 """
 
 from .errors import PrefixCacheError

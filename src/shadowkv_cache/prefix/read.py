@@ -2,13 +2,7 @@
 
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed tokens.
 
-A load must not mix one file's header with another file's tensors when a writer replaces the file meanwhile (an
-atomic rename). `safe_open` reads the header from the file it opens, but for PyTorch its tensors map the file again
-*by path* (`UntypedStorage.from_file`), so one `safe_open` is not enough. The load holds the file it started with
-open; where the system names open files (`/proc/self/fd/N` on Linux) both opens go through that name, so they see the
-held file whatever happens to the path. Elsewhere it checks, after the tensors are copied, that the path still names
-the held file (an inode held open cannot be reused, and a replaced file never comes back under the path) and
-otherwise reads again.
+A load reads one file even while a writer replaces it (`held_file.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ..config import ShadowKVConfig
@@ -32,6 +24,7 @@ from ..stores.value_store import HostValueStore
 from . import integrity
 from .errors import PrefixCacheError, PrefixOptionError
 from .format import DECODE_TIME_FIELDS, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY
+from .held_file import read_one_file
 from .identity import (
     canonical_json,
     config_identity,
@@ -219,51 +212,11 @@ def read_prefix(
     key = integrity.check_key_option(key)
     if key is not None and not verify:
         raise PrefixOptionError("load_prefix(key=...) authenticates the file, which needs verify=True.")
-    for _ in range(_READ_ATTEMPTS):
-        if not path.is_file():
-            raise PrefixCacheError(f"No prefix file at {path}.")
-        with open(path, "rb") as held:  # pins the file this attempt reads (see the module docstring)
-            source = _open_file_name(held) or path
-            try:
-                opened = safe_open(source, framework="pt", device="cpu")
-            except Exception as err:  # the library's errors for truncated or malformed files vary by version
-                if source == path and _replaced(held, path):
-                    continue
-                raise PrefixCacheError(
-                    f"{path} is not a readable safetensors file (truncated or damaged?): {err}"
-                ) from err
-            try:
-                with opened as f:
-                    state = _read_open(f, model, path, config, policy, overrides, verify, key)
-            except PrefixCacheError:
-                if source == path and _replaced(held, path):
-                    continue
-                raise
-            if source != path or not _replaced(held, path):
-                return state
-    raise PrefixCacheError(
-        f"{path} was replaced {_READ_ATTEMPTS} times while being read; another process keeps rewriting it. Load it "
-        "when the writer has finished, or give each writer its own file."
-    )
 
+    def read(f) -> PrefixState:
+        return _read_open(f, model, path, config, policy, overrides, verify, key)
 
-_READ_ATTEMPTS = 8
-
-
-def _open_file_name(held) -> Path | None:
-    """A name that opens the very file `held` is (Linux's `/proc/self/fd/N`), or None where the system has none."""
-    name = Path(f"/proc/self/fd/{held.fileno()}")
-    return name if name.exists() else None
-
-
-def _replaced(held, path: Path) -> bool:
-    """Whether `path` no longer names the file open as `held` (a writer renamed another file over it)."""
-    try:
-        now = path.stat()
-    except FileNotFoundError:
-        return True
-    then = os.fstat(held.fileno())
-    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+    return read_one_file(path, read)
 
 
 def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bool, key: bytes | None) -> PrefixState:
