@@ -44,6 +44,11 @@ BAD_VALUES = [
     ({"min_compress_len": 0}, "min_compress_len"),
     ({"pin_memory": "yes"}, "pin_memory"),
     ({"value_format": "int4"}, "value_format"),
+    ({"auto_rank_error": 0}, "auto_rank_error"),
+    ({"auto_rank_error": float("nan")}, "auto_rank_error"),
+    ({"auto_rank_shift": -0.1}, "auto_rank_shift"),
+    ({"auto_rank_shift": float("inf")}, "auto_rank_shift"),
+    ({"auto_rank_shift": "0.2"}, "auto_rank_shift"),
 ]
 
 

@@ -15,8 +15,9 @@ VALUE_FORMATS = ("native", "fp8", "higgs4")
 
 # The paper's settings for Llama-3.1-8B (Hkv*D = 1024) at 128K, expressed as shares so they scale.
 # rank="auto": per layer (and row), the smallest rank (a multiple of 8) whose rebuilt keys keep the attention logits
-# of the prompt's last queries within `auto_rank_error`, clamped to [floor, ceiling] shares of Hkv*D (docs/design.md
-# §2; calibrated in benchmarks/results/defaults_*.md).
+# of the prompt's last queries within `auto_rank_error` (relative) and `auto_rank_shift` (nats, where attention
+# looks), clamped to [floor, ceiling] shares of Hkv*D (docs/design.md §2; calibrated in
+# benchmarks/results/defaults_*.md and accuracy_smollm2_*.md).
 _AUTO_FLOOR_SHARE = 0.125
 _AUTO_CEILING_SHARE = 0.75
 AUTO_QUERIES = 32  # the last prompt queries the rule measures against
@@ -49,7 +50,8 @@ class ShadowKVConfig:
         rank (`str`, `int` or `float`, *optional*, defaults to `"auto"`):
             Rank of the joint low-rank factorisation of the pre-RoPE keys. `"auto"` (or `None`): per layer, the
             smallest rank (a multiple of 8) whose rebuilt keys keep the attention logits of the prompt's last 32
-            queries within `auto_rank_error` (7.5%, relative, logits centred), clamped to [12.5%, 75%] of `Hkv*D`;
+            queries within `auto_rank_error` (7.5%, relative, logits centred) and `auto_rank_shift` (0.2 nats where
+            attention looks), clamped to [12.5%, 75%] of `Hkv*D`;
             the rank each layer chose is in `memory_report()`. An int is absolute and must be `<= Hkv*D`; a float in
             (0, 1] is that share of `Hkv*D`. Capped at the number of compressed tokens.
         chunk_size (`int`, *optional*, defaults to 8):
