@@ -94,7 +94,7 @@ def rank_for_logit_error(
     logits = queries @ exact.transpose(1, 2)
     scale = float((logits - logits.mean(dim=-1, keepdim=True)).norm())
     scaling = probe.scaling if probe.scaling is not None else dim**-0.5
-    attention = (logits * scaling).softmax(dim=-1)  # [Hkv, G*W, n]
+    attention = (logits * scaling).softmax(dim=-1) if max_shift is not None else None  # [Hkv, G*W, n]
 
     def close_enough(rank: int) -> bool:
         v = eigvecs[:, :rank]

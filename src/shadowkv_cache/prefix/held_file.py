@@ -37,7 +37,7 @@ def read_one_file(path: Path, read: Callable[..., T]) -> T:
             try:
                 opened = safe_open(source, framework="pt", device="cpu")
             except Exception as err:  # the library's errors for truncated or malformed files vary by version
-                if source == path and _replaced(held, path):
+                if _replaced(held, path, source):
                     continue
                 raise PrefixCacheError(
                     f"{path} is not a readable safetensors file (truncated or damaged?): {err}"
@@ -46,10 +46,10 @@ def read_one_file(path: Path, read: Callable[..., T]) -> T:
                 with opened as f:
                     result = read(f)
             except PrefixCacheError:
-                if source == path and _replaced(held, path):
+                if _replaced(held, path, source):
                     continue
                 raise
-            if source != path or not _replaced(held, path):
+            if not _replaced(held, path, source):
                 return result
     raise PrefixCacheError(
         f"{path} was replaced {READ_ATTEMPTS} times while being read; another process keeps rewriting it. Load it "
@@ -63,8 +63,11 @@ def open_file_name(held) -> Path | None:
     return name if name.exists() else None
 
 
-def _replaced(held, path: Path) -> bool:
-    """Whether `path` no longer names the file open as `held` (a writer renamed another file over it)."""
+def _replaced(held, path: Path, source: Path) -> bool:
+    """Whether a read through `source` may have seen another file than `held`: `source` is the path and it no longer
+    names the held file (a writer renamed another file over it). A read through the held file's own name cannot."""
+    if source != path:
+        return False
     try:
         now = path.stat()
     except FileNotFoundError:
