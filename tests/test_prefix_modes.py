@@ -53,7 +53,11 @@ def yakv(**changes) -> dict:
 
 
 # Each kind of prefix: (model arch, cache options); the files are made once per module.
-KINDS = {"gemma3": (GEMMA3, small_budget_overrides()), "yakv": ("llama", yakv())}
+KINDS = {
+    "gemma3": (GEMMA3, small_budget_overrides()),
+    "yakv": ("llama", yakv()),
+    "gemma3 yakv": (GEMMA3, yakv()),  # both: sliding layers beside quantised ones
+}
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +235,7 @@ def test_gemma3_forked_rows_share_the_windows_and_answer_as_alone(document):
         if isinstance(want, SlidingLayer):
             assert got.keys.shape[0] == 3 and got.keys.stride(0) == 0 and got.keys.data_ptr() == want.keys.data_ptr()
             assert got.cumulative_length == DOC
+            assert got.nbytes()[0] == want.nbytes()[0] and got.nbytes()[2] == 3 * want.nbytes()[2]  # held once
     ids, mask = batch_questions(doc.prefix_ids, questions, pad_token_id=0)
     assert bool(mask.all())
     batch = generate_with(model, ids, shared, attention_mask=mask, max_new_tokens=NEW_TOKENS)
@@ -299,12 +304,12 @@ def test_yakv_prefill_batch_holds_exact_rows_beside_quantised_ones():
 # -- files that do not fit --------------------------------------------------------------------------------------
 
 
-OTHER_CONFIG = {  # one layer more (Gemma 3: one more sliding layer)
-    "gemma3": {
+OTHER_CONFIG = {  # per arch, one layer more (Gemma 3: one more sliding layer)
+    GEMMA3: {
         "num_hidden_layers": 5,
         "layer_types": ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"],
     },
-    "yakv": {"num_hidden_layers": 3},
+    "llama": {"num_hidden_layers": 3},
 }
 
 
@@ -314,7 +319,7 @@ def test_another_model_is_refused_before_anything_changes(prefixes, kind):
     other = make_tiny_model(KINDS[kind][0], seed=99)
     with pytest.raises(PrefixCacheError, match="same config but other weights"):
         ShadowKVCache.load_prefix(other, path)
-    deeper = make_tiny_model(KINDS[kind][0], **OTHER_CONFIG[kind])
+    deeper = make_tiny_model(KINDS[kind][0], **OTHER_CONFIG[KINDS[kind][0]])
     with pytest.raises(PrefixCacheError, match="config differs: .*num_hidden_layers"):
         ShadowKVCache.load_prefix(deeper, path)
     assert other not in _ADAPTERS and deeper not in _ADAPTERS  # not even patched

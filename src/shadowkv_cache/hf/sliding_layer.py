@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from ..core.rows import stored_once_nbytes
+
 __all__ = ["SlidingLayer"]
 
 
@@ -60,8 +62,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         return layer
 
     def nbytes(self) -> tuple[int, int, int]:
-        """(device bytes, host bytes, bytes a `DynamicCache` would hold): the same window in both caches."""
+        """(device bytes, host bytes, bytes a `DynamicCache` would hold): the same window in both caches, but rows
+        that share a document's window (`fork`) hold it once on the device."""
         if not self.is_initialized:
             return 0, 0, 0
         exact = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return exact, 0, exact
+        return stored_once_nbytes([self.keys, self.values]), 0, exact
