@@ -253,16 +253,14 @@ class ShadowKVCache(CheckedUpdates, Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
-        The file's model identity, config (its `mode` included), version and every tensor's shape and dtype are
-        checked before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only
-        `sparse_budget`, `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config.
-        ShadowKV's temporal cache starts empty; sliding-window layers start from the saved window. `verify=False`
-        skips the tensor digests and finiteness checks (1.5 s per GiB on one CPU core) for a file you trust; `key` is
-        the key a signed file was saved with (`save_prefix(..., key=...)`). `policy` defaults to the mode's own
-        (`LandmarkTopK`, or `QuantizedKeyTopK` in YAKV mode).
+        The file's model identity, config (`mode` included), version and every tensor's shape and dtype are checked
+        before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
+        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. ShadowKV's temporal
+        cache starts empty; sliding-window layers start from the saved window. `verify=False` skips the tensor digests
+        and finiteness checks (1.5 s per GiB on one CPU core) for a file you trust; `key` is the key a signed file was
+        saved with (`save_prefix(..., key=...)`); `policy` defaults to the mode's own.
         """
-        text_config = model.config.get_text_config()
-        windows = sliding_windows(text_config)  # unknown layer types raise here
+        windows = sliding_windows(model.config.get_text_config())  # unknown layer types raise here
         state = prefix.read_prefix(
             model, path, config, policy, _default_policy, overrides, windows, verify=verify, key=key
         )
@@ -313,23 +311,11 @@ class ShadowKVCache(CheckedUpdates, Cache):
             microbatch.check_generate_ids(*self._prefilled, input_ids, attention_mask)
         elif self._prefix_ids is not None:
             prefix.check_prefix_ids(self._prefix_ids, input_ids, rows=self.layers[0].keys.shape[0])
-            self._refuse_pads_after_a_sliding_prefix(attention_mask)
+            if any(isinstance(layer, SlidingLayer) for layer in self.layers):
+                prefix.refuse_pads_after_prefix(len(self._prefix_ids), attention_mask)
         else:
             return
         self._prefix_checked = True
-
-    def _refuse_pads_after_a_sliding_prefix(self, attention_mask: torch.Tensor | None) -> None:
-        """Sliding layers count their window in slots, pads included (Transformers' sliding mask): pads between the
-        document and a question would push document tokens out of the window, so such a row would not get what its
-        question gets alone. Refused, before the first forward."""
-        if attention_mask is None or not any(isinstance(layer, SlidingLayer) for layer in self.layers):
-            return
-        if bool((attention_mask[:, len(self._prefix_ids) :] == 0).any()):
-            raise prefix.PrefixCacheError(
-                "This model has sliding-window layers, whose window counts pads: a batch of questions of different "
-                "lengths, padded between the document and the question, would shift what each row sees. Fork one "
-                "cache per question length (questions of one length need no pads), or ask them one at a time."
-            )
 
     def memory_report(self) -> MemoryReport:
         """Device and host bytes per layer and in total, the ratio to `DynamicCache`, and the hit rate so far."""

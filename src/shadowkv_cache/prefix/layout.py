@@ -1,4 +1,5 @@
-"""The tensors of a prefix file: their names, shapes and dtypes for a model, config and prefix length.
+"""The tensors of a prefix file: their names, shapes and dtypes for a model, config and prefix length, and the layer
+state they hold.
 
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
 tokens, R rank, O outlier chunks, W local-window tokens, P payload elements per value vector, N quantised tokens
@@ -14,8 +15,9 @@ import torch
 
 from ..config import ShadowKVConfig
 from ..shadowkv.prompt import CompressedPrompt
-from ..stores.quantized_store import record_bytes
+from ..stores.quantized_store import QuantizedKVStore, record_bytes
 from ..stores.value_codecs import value_codec
+from ..stores.value_store import HostValueStore
 from ..yakv.prompt import QuantizedPrompt
 from .errors import PrefixCacheError
 
@@ -29,6 +31,7 @@ __all__ = [
     "expected_tensors",
     "layer_kinds",
     "layer_tensors",
+    "read_layer",
     "sliding_held",
 ]
 
@@ -179,3 +182,51 @@ def check_structure(tensors: dict, i: int, kind: str, sizes, path) -> None:
         )
     if not structure_ok:
         raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")
+
+
+def read_layer(
+    tensors: dict, i: int, kind: str, device: torch.device, config: ShadowKVConfig, sizes, budget: int, length: int
+):
+    """One layer's `(prompt, keys, values)` from the checked `tensors`; `sizes` are the saved config's, `budget` the
+    chunks (YAKV: tokens) to select now, `length` the document's tokens."""
+    p = f"layers.{i}."
+    if kind in ("exact", "sliding"):
+        return None, tensors[p + "keys"].to(device, copy=True), tensors[p + "values"].to(device, copy=True)
+    policy_state = {
+        k.removeprefix(p + "policy."): v.to(device, copy=True)
+        for k, v in tensors.items()
+        if k.startswith(p + "policy.")
+    }
+    pin = config.pin_memory and device.type == "cuda"
+    if kind == "quantized":
+        prompt = QuantizedPrompt(
+            policy_state=policy_state,
+            real=tensors[p + "real"].to(device, copy=True),
+            budget_tokens=torch.tensor([budget], device=device),
+            budget_host=torch.tensor([budget]),
+            local_keys=tensors[p + "local_keys"].to(device, copy=True),
+            local_values=tensors[p + "local_values"].to(device, copy=True),
+            local_valid=tensors[p + "local_valid"].to(device, copy=True),
+            store=QuantizedKVStore.from_records(tensors[p + "host_records"], pin, device),
+            slots=length,
+            max_budget_tokens=budget,
+        )
+    else:
+        t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
+        t["budget_chunks"] = torch.tensor([budget])
+        codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
+        prompt = CompressedPrompt(
+            **{name: v.to(device, copy=True) for name, v in t.items()},
+            policy_state=policy_state,
+            values=HostValueStore.from_encoded(
+                tensors[p + "host_values"],
+                tensors[p + "host_value_scales"] if codec.scale_dtype is not None else None,
+                codec,
+                pin=pin,
+            ),
+            chunk_size=config.chunk_size,
+            slots=sizes.num_chunks * config.chunk_size + sizes.local,
+            max_budget_chunks=budget,
+        )
+    empty = prompt.local_keys[:, :, :0]
+    return prompt, empty, empty.clone()

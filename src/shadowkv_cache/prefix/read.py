@@ -21,9 +21,7 @@ from torch import nn
 from ..config import ShadowKVConfig
 from ..policies.base import SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
-from ..stores.quantized_store import QuantizedKVStore
 from ..stores.value_codecs import value_codec
-from ..stores.value_store import HostValueStore
 from ..yakv.prompt import QuantizedPrompt
 from . import integrity
 from .errors import PrefixCacheError, PrefixOptionError
@@ -45,7 +43,16 @@ from .identity import (
     model_identity,
     token_ids_sha256,
 )
-from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, check_structure, expected_tensors, layer_kinds
+from .layout import (
+    DTYPES_BY_NAME,
+    ST_DTYPES,
+    Spec,
+    check_specs,
+    check_structure,
+    expected_tensors,
+    layer_kinds,
+    read_layer,
+)
 
 __all__ = ["PrefixState", "read_prefix"]
 
@@ -313,7 +320,7 @@ def _read_open(
                 raise PrefixCacheError(f"{path}: the metadata does not match its digest (damaged header).")
             integrity.verify_tensors(tensors, digests, token_hash, key, path)
         token_ids = tensors["token_ids"].clone()
-        layers = [_read_layer(tensors, i, kinds[i], devices[i], config, sizes, budget, length) for i in range(dims[0])]
+        layers = [read_layer(tensors, i, kinds[i], devices[i], config, sizes, budget, length) for i in range(dims[0])]
     except PrefixCacheError:
         raise
     except Exception as err:  # a data region the header promised but the file lacks, an unreadable page
@@ -335,51 +342,3 @@ def _ranks(meta: dict, sizes, kinds: list[str], path: Path) -> list[int]:
             f"{kinds[:6]}: rank {wanted} for a compressed layer, 0 for the others); the file is damaged."
         )
     return ranks
-
-
-def _read_layer(
-    tensors: dict, i: int, kind: str, device: torch.device, config: ShadowKVConfig, sizes, budget: int, length: int
-):
-    """One layer's `(prompt, keys, values)` from the checked `tensors`; `sizes` are the saved config's, `budget` the
-    chunks (YAKV: tokens) to select now, `length` the document's tokens."""
-    p = f"layers.{i}."
-    if kind in ("exact", "sliding"):
-        return None, tensors[p + "keys"].to(device, copy=True), tensors[p + "values"].to(device, copy=True)
-    policy_state = {
-        k.removeprefix(p + "policy."): v.to(device, copy=True)
-        for k, v in tensors.items()
-        if k.startswith(p + "policy.")
-    }
-    pin = config.pin_memory and device.type == "cuda"
-    if kind == "quantized":
-        prompt = QuantizedPrompt(
-            policy_state=policy_state,
-            real=tensors[p + "real"].to(device, copy=True),
-            budget_tokens=torch.tensor([budget], device=device),
-            budget_host=torch.tensor([budget]),
-            local_keys=tensors[p + "local_keys"].to(device, copy=True),
-            local_values=tensors[p + "local_values"].to(device, copy=True),
-            local_valid=tensors[p + "local_valid"].to(device, copy=True),
-            store=QuantizedKVStore.from_records(tensors[p + "host_records"], pin, device),
-            slots=length,
-            max_budget_tokens=budget,
-        )
-    else:
-        t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
-        t["budget_chunks"] = torch.tensor([budget])
-        codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
-        prompt = CompressedPrompt(
-            **{name: v.to(device, copy=True) for name, v in t.items()},
-            policy_state=policy_state,
-            values=HostValueStore.from_encoded(
-                tensors[p + "host_values"],
-                tensors[p + "host_value_scales"] if codec.scale_dtype is not None else None,
-                codec,
-                pin=pin,
-            ),
-            chunk_size=config.chunk_size,
-            slots=sizes.num_chunks * config.chunk_size + sizes.local,
-            max_budget_chunks=budget,
-        )
-    empty = prompt.local_keys[:, :, :0]
-    return prompt, empty, empty.clone()
