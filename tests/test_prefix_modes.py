@@ -36,7 +36,7 @@ from shadowkv_cache import PrefixCacheError, ShadowKVCache, unpatch_model
 from shadowkv_cache.hf.adapters import _ADAPTERS
 from shadowkv_cache.hf.microbatch import position_ids
 from shadowkv_cache.hf.sliding_layer import SlidingLayer
-from shadowkv_cache.policies import QuantizedKeyTopK
+from shadowkv_cache.policies import QuantizedKeyTopK, ResidualLandmarkTopK, SharedBudgetTopK
 from shadowkv_cache.prefix import METADATA_KEY, batch_questions
 from shadowkv_cache.quant import HiggsQuantizer
 
@@ -348,6 +348,30 @@ def test_yakv_scoring_policy_of_other_settings_is_refused(prefixes, kind, fresh_
     with pytest.raises(PrefixCacheError, match="other settings: seed: 0 in the file, 1 here"):
         ShadowKVCache.load_prefix(fresh_model, path, policy=QuantizedKeyTopK(seed=1))
     assert fresh_model not in _ADAPTERS
+
+
+@pytest.mark.parametrize(
+    "policy, other",
+    [
+        (lambda: ResidualLandmarkTopK(), lambda: ResidualLandmarkTopK(group_size=4)),
+        (lambda: SharedBudgetTopK(ResidualLandmarkTopK()), lambda: SharedBudgetTopK(ResidualLandmarkTopK(seed=2))),
+    ],
+    ids=["residual landmarks", "shared budget"],
+)
+def test_yakv_extension_policies_round_trip_and_their_settings_are_checked(tmp_path, document, question, policy, other):
+    """The study's two extensions (docs/yakv.md) save their own state; a load needs the same policy, wrapped ones
+    included, and by default (the mode's own policy) names the one the file needs."""
+    model = tiny_model("llama")
+    doc = ShadowKVCache.prefill(model, document, policy=policy(), **yakv())
+    doc.save_prefix(tmp_path / "doc.safetensors")
+    with pytest.raises(PrefixCacheError, match=f"pass policy={type(policy()).__name__}"):
+        ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+    with pytest.raises(PrefixCacheError, match="with other settings"):
+        ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors", policy=other())
+    loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors", policy=policy())
+    original, again = ask(model, doc.fork(), document, question), ask(model, loaded, document, question)
+    assert torch.equal(again.sequences, original.sequences)
+    assert_logits_close(again.logits, original.logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["yakv"])

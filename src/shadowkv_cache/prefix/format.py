@@ -76,20 +76,28 @@ STALE_AFTER_S = 600.0
 
 
 def policy_settings(policy: SelectionPolicy) -> dict:
-    """The policy's public settings of plain JSON types (e.g. `QuantizedKeyTopK`'s `grid_dim` and `seed`): a policy
-    of the same class with other settings prepares other state."""
+    """The policy's public settings of plain JSON types (e.g. `QuantizedKeyTopK`'s `grid_dim` and `seed`), and those
+    of the policies it wraps (`SharedBudgetTopK`'s `inner`): a policy of the same class with other settings prepares
+    other state."""
     plain = (bool, int, float, str, type(None))
-    return {k: v for k, v in sorted(vars(policy).items()) if not k.startswith("_") and isinstance(v, plain)}
+    out = {}
+    for name, value in sorted(vars(policy).items()):
+        if isinstance(value, SelectionPolicy):
+            out[name] = {"name": type(value).__name__, "settings": policy_settings(value)}
+        elif not name.startswith("_") and isinstance(value, plain):
+            out[name] = value
+    return out
 
 
 def yakv_quantizers(config: ShadowKVConfig, policy: SelectionPolicy, head_dim: int) -> dict[str, HiggsQuantizer]:
     """`{"host": ..., "score": ...}`: the HIGGS quantisers that encode a YAKV prompt's host records and the policy's
-    scoring codes (where the policy has a `quantizer`); `{}` in ShadowKV mode."""
+    scoring state (that of the policy, or of a policy it wraps, with a `quantizer`); `{}` in ShadowKV mode."""
     if config.mode != "yakv":
         return {}
     out = {"host": HiggsQuantizer(head_dim, config.host_grid_dim)}
-    scorer = getattr(policy, "quantizer", None)
-    if callable(scorer):
+    wrapped = [policy, *(v for v in vars(policy).values() if isinstance(v, SelectionPolicy))]
+    scorer = next((p.quantizer for p in wrapped if callable(getattr(p, "quantizer", None))), None)
+    if scorer is not None:
         out["score"] = scorer(head_dim)
     return out
 
