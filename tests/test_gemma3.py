@@ -263,6 +263,33 @@ def test_gemma3_270m_full_budget_is_exact():
         unpatch_model(model)
 
 
+@pytest.mark.slow
+@needs_gemma3
+def test_gemma3_270m_prefix_file_round_trip(tmp_path):
+    """The real model (18 layers, 15 of them sliding with a 512-token window): a saved and loaded document answers
+    as the in-memory one, in ShadowKV and YAKV mode."""
+    from shadowkv_cache import unpatch_model
+    from shadowkv_cache.embedded_models import load_gemma3_270m
+    from shadowkv_cache.fidelity import natural_text_ids
+
+    model, tokenizer = load_gemma3_270m()
+    text = natural_text_ids(tokenizer, 1220)[0]
+    document, question = text[:1200], text[1200:]
+    try:
+        for options in ({"min_compress_len": 1024}, {"mode": "yakv", "min_compress_len": 1024}):
+            doc = ShadowKVCache.prefill(model, document, **options)
+            doc.save_prefix(tmp_path / "doc.safetensors")
+            loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+            ids = torch.cat([document, question])[None]
+            kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            want = generate_with(model, ids, doc.fork(), **kwargs)
+            got = generate_with(model, ids, loaded, **kwargs)
+            assert torch.equal(got.sequences, want.sequences), options
+            assert_logits_close(got.logits, want.logits, rtol=0, atol=0)
+    finally:
+        unpatch_model(model)
+
+
 def test_micro_batched_prefill_equals_plain_generate_at_full_budget(model):
     """`prefill_batch` joins the sliding layers' windows row by row as well as the compressed layers."""
     rows = [random_prompt(n, seed=40 + i)[0] for i, n in enumerate((280, 190, 240))]
