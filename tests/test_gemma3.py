@@ -31,7 +31,7 @@ from helpers import (
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from shadowkv_cache import ShadowKVCache
+from shadowkv_cache import PrefixCacheError, ShadowKVCache
 from shadowkv_cache.embedded_models import GEMMA3_PACKAGE
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -170,16 +170,25 @@ def test_memory_report_counts_sliding_layers_as_exact(model):
     assert report.hit_rate is not None and 0 < report.hit_rate < 1
 
 
-def test_prefix_reuse_refuses_sliding_models(model, tmp_path):
+def test_prefix_reuse_keeps_the_sliding_windows(model, tmp_path):
+    """A prefilled document holds each sliding layer's window as generate leaves it, forks share it, and a cache that
+    generated past the document is refused by save_prefix (once refused for every model with sliding layers;
+    tests/test_prefix_modes.py covers the round trips)."""
     ids = random_prompt(100)
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
-        ShadowKVCache.prefill(model, ids, **full_budget_overrides())
+    doc = ShadowKVCache.prefill(model, ids[0], **full_budget_overrides())
     cache = ShadowKVCache(model, **full_budget_overrides())
     generate_with(model, ids, cache, max_new_tokens=1)
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
-        cache.fork(2)
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
-        cache.save_prefix(tmp_path / "doc.safetensors", ids)
+    for i, (got, want) in enumerate(zip(doc.layers, cache.layers)):
+        if i not in FULL_LAYERS:
+            assert got.cumulative_length == want.cumulative_length == 100
+            assert torch.equal(got.keys, want.keys) and got.keys.shape[2] == SLIDING_WINDOW - 1
+    forked = doc.fork(2)
+    assert all(layer.keys.shape[0] == 2 for layer in forked.layers)
+    doc.save_prefix(tmp_path / "doc.safetensors")
+    used = ShadowKVCache(model, **full_budget_overrides())
+    generate_with(model, ids, used, max_new_tokens=3)  # it holds two generated tokens as well
+    with pytest.raises(PrefixCacheError, match="holds exactly the 100-token document"):
+        used.save_prefix(tmp_path / "generated.safetensors", ids)
 
 
 @pytest.mark.parametrize(
@@ -251,6 +260,33 @@ def test_gemma3_270m_full_budget_is_exact():
     finally:
         from shadowkv_cache import unpatch_model
 
+        unpatch_model(model)
+
+
+@pytest.mark.slow
+@needs_gemma3
+def test_gemma3_270m_prefix_file_round_trip(tmp_path):
+    """The real model (18 layers, 15 of them sliding with a 512-token window): a saved and loaded document answers
+    as the in-memory one, in ShadowKV and YAKV mode."""
+    from shadowkv_cache import unpatch_model
+    from shadowkv_cache.embedded_models import load_gemma3_270m
+    from shadowkv_cache.fidelity import natural_text_ids
+
+    model, tokenizer = load_gemma3_270m()
+    text = natural_text_ids(tokenizer, 1220)[0]
+    document, question = text[:1200], text[1200:]
+    try:
+        for options in ({"min_compress_len": 1024}, {"mode": "yakv", "min_compress_len": 1024}):
+            doc = ShadowKVCache.prefill(model, document, **options)
+            doc.save_prefix(tmp_path / "doc.safetensors")
+            loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+            ids = torch.cat([document, question])[None]
+            kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            want = generate_with(model, ids, doc.fork(), **kwargs)
+            got = generate_with(model, ids, loaded, **kwargs)
+            assert torch.equal(got.sequences, want.sequences), options
+            assert_logits_close(got.logits, want.logits, rtol=0, atol=0)
+    finally:
         unpatch_model(model)
 
 

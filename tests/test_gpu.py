@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     ARCHS,
+    GEMMA3,
     assert_logits_close,
     dynamic_cache,
     full_budget_overrides,
@@ -18,6 +19,7 @@ from helpers import (
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
+from shadowkv_cache.hf.sliding_layer import SlidingLayer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -166,3 +168,61 @@ def test_failed_capture_falls_back_to_eager_and_leaves_cuda_usable(cuda_model, m
     assert torch.equal(got.sequences, eager.sequences)
     assert_logits_close(got.logits, eager.logits, atol=1e-5)
     assert torch.randn(4, device="cuda").isfinite().all()
+
+
+# Prefix files beyond ShadowKV on plain models (tests/test_prefix_modes.py on the CPU): (arch, cache options).
+PREFIX_KINDS = {
+    "gemma3": (GEMMA3, small_budget_overrides()),
+    "yakv": ("llama", {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}),
+}
+
+
+@pytest.mark.parametrize("kind", PREFIX_KINDS)
+def test_prefix_round_trip_on_cuda(kind, tmp_path):
+    """Saved from the device, loaded onto it: host stores pinned again, device tensors on CUDA, sliding windows
+    restored, and the loaded prefix (graphed one-token steps where the mode captures them) answers as the fork of
+    the cache it was saved from."""
+    arch, options = PREFIX_KINDS[kind]
+    model = make_tiny_model(arch).cuda()
+    document, question = random_prompt(240, seed=800)[0], random_prompt(6, seed=801)[0]
+    doc = ShadowKVCache.prefill(model, document, **options)
+    doc.save_prefix(tmp_path / "doc.safetensors")
+    loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+    for layer in loaded.layers:
+        if isinstance(layer, SlidingLayer):
+            assert layer.keys.is_cuda and layer.cumulative_length == 240
+        else:
+            store = layer.prompt.store if kind == "yakv" else layer.prompt.values
+            assert store.data.is_pinned() and layer.prompt.local_keys.is_cuda
+    ids = torch.cat([document, question])[None].cuda()
+    want = generate_with(model, ids, doc.fork(), max_new_tokens=16)
+    got = generate_with(model, ids, loaded, max_new_tokens=16)
+    assert torch.equal(got.sequences, want.sequences)
+    assert_logits_close(got.logits, want.logits, atol=1e-5)
+    if kind == "gemma3":  # at full budget, also the model's own DynamicCache
+        ShadowKVCache.prefill(model, document, **full_budget_overrides()).save_prefix(tmp_path / "full.safetensors")
+        full = generate_with(model, ids, ShadowKVCache.load_prefix(model, tmp_path / "full.safetensors"))
+        ref = generate_with(model, ids, dynamic_cache(model))
+        assert torch.equal(full.sequences, ref.sequences)
+        assert_logits_close(full.logits, ref.logits, atol=1e-4)  # CUDA SDPA sums in another order
+
+
+def test_yakv_prefill_batch_on_cuda():
+    """YAKV prompts joined on the device: the joined store is pinned, and each row decodes as its prompt alone."""
+    model = make_tiny_model("llama").cuda()
+    options = PREFIX_KINDS["yakv"][1]
+    rows = [random_prompt(n, seed=810 + n)[0] for n in (260, 190)]
+    ids, mask = left_pad(rows)
+    cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **options)
+    assert all(layer.prompt.store.data.is_pinned() for layer in cache.layers)
+    together = generate_with(model, ids.cuda(), cache, attention_mask=mask.cuda(), max_new_tokens=8)
+    for i, row in enumerate(rows):
+        alone_cache = ShadowKVCache.prefill(model, row[:-1], **options)
+        alone = generate_with(model, row[None].cuda(), alone_cache, max_new_tokens=8)
+        assert torch.equal(together.sequences[i, -8:], alone.sequences[0, -8:])
+        torch.testing.assert_close(
+            torch.stack([step[i] for step in together.logits]),
+            torch.stack([step[0] for step in alone.logits]),
+            rtol=1e-4,
+            atol=1e-4,
+        )

@@ -325,11 +325,18 @@ def test_on_cuda_pinned_values_and_lower_peak_memory():
     assert_logits_close(out.logits, ref.logits, atol=1e-4)
 
 
-def test_yakv_mode_is_refused_before_the_model_runs(monkeypatch):
+def test_yakv_mode_joins_like_a_batched_prefill():
+    """Once refused: YAKV prompts prefilled a row at a time join into what a batched prefill holds."""
     model = tiny_model("llama")
     ids, mask = batch((300, 220))
-    calls = []
-    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(NotImplementedError, match="mode='yakv'"):
-        ShadowKVCache.prefill_batch(model, ids, mask, mode="yakv", min_compress_len=64)
-    assert not calls
+    overrides = {"mode": "yakv", "min_compress_len": 64, "sparse_budget": 24}
+    cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **overrides)
+    ref_cache = batched_prefill(model, ids, mask, **overrides)
+    for layer, expected in zip(cache.layers, ref_cache.layers):
+        assert torch.equal(layer.prompt.store.data, expected.prompt.store.data)
+        assert torch.equal(layer.prompt.real, expected.prompt.real)
+        torch.testing.assert_close(layer.prompt.local_keys, expected.prompt.local_keys)
+    out = generate_with(model, ids, cache, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    ref = generate_with(model, ids, ref_cache, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits)

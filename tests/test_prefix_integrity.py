@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shadowkv_cache import PrefixCacheError, ShadowKVCache, unpatch_model
-from shadowkv_cache.prefix import METADATA_KEY, held_file, integrity
+from shadowkv_cache.prefix import FORMAT_VERSION, METADATA_KEY, held_file, integrity
 from shadowkv_cache.prefix.errors import PrefixOptionError
 from shadowkv_cache.prefix.format import STALE_AFTER_S, format_bytes
 from shadowkv_cache.prefix.identity import forget_model_identity, identity_weights, model_identity
@@ -225,11 +225,12 @@ def test_bad_integrity_options_are_prefix_option_errors(saved, model, options, m
         ShadowKVCache.load_prefix(model, saved, **options)
 
 
-def test_a_version_2_file_is_refused_naming_its_version(saved, model, tmp_path):
+@pytest.mark.parametrize("version, named", [(2, "version 2 predates the digests"), (4, "version 4 predates sliding")])
+def test_an_older_file_is_refused_naming_its_version(saved, model, tmp_path, version, named):
     meta, tensors = read(saved)
-    meta["version"] = 2
-    with pytest.raises(PrefixCacheError, match="version 2 predates the digests.*reads version 4"):
-        ShadowKVCache.load_prefix(model, write(tmp_path / "v2.safetensors", meta, tensors))
+    meta["version"] = version
+    with pytest.raises(PrefixCacheError, match=f"{named}.*reads version {FORMAT_VERSION}"):
+        ShadowKVCache.load_prefix(model, write(tmp_path / f"v{version}.safetensors", meta, tensors))
 
 
 # -- 9. every loader failure is a PrefixCacheError, metadata fuzzed ---------------------------------------------

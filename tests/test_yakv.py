@@ -25,7 +25,7 @@ from helpers import (
     tiny_model,
 )
 
-from shadowkv_cache import LandmarkTopK, PrefixCacheError, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.gather_dequant import gather_dequant
 from shadowkv_cache.ops.score_codes import score_codes
@@ -289,12 +289,20 @@ def test_bad_model_or_policy_raises_before_patching(llama):
         ShadowKVCache(llama, policy=QuantizedKeyTopK())
 
 
-def test_prefix_files_refuse_yakv(llama, tmp_path):
+def test_prefix_files_hold_yakv(llama, tmp_path):
+    """Once refused; now a YAKV document round-trips as it is held: the host records, the scoring codes and the
+    recent window (tests/test_prefix_modes.py covers generation from it and the refusals)."""
     doc = ShadowKVCache.prefill(llama, random_prompt(100, seed=60), **small_yakv())
-    with pytest.raises(PrefixCacheError, match="mode='yakv'"):
-        doc.save_prefix(tmp_path / "doc.safetensors")
-    with pytest.raises(PrefixCacheError, match="mode='yakv'"):
-        ShadowKVCache.load_prefix(llama, tmp_path / "doc.safetensors", mode="yakv")
+    doc.save_prefix(tmp_path / "doc.safetensors")
+    loaded = ShadowKVCache.load_prefix(llama, tmp_path / "doc.safetensors")
+    assert loaded.config.mode == "yakv" and isinstance(loaded.policy, QuantizedKeyTopK)
+    for got, want in zip(loaded.layers, doc.layers):
+        assert torch.equal(got.prompt.store.data, want.prompt.store.data)
+        for name in ("real", "local_keys", "local_values", "local_valid", "budget_tokens"):
+            assert torch.equal(getattr(got.prompt, name), getattr(want.prompt, name)), name
+        for name, state in want.prompt.policy_state.items():
+            assert torch.equal(got.prompt.policy_state[name], state), name
+        assert (got.prompt.slots, got.prompt.max_budget_tokens) == (want.prompt.slots, want.prompt.max_budget_tokens)
 
 
 # -- the two hot ops against their definitions ------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["local_window", "share_rows", "stored_once_nbytes", "with_rows"]
+__all__ = ["local_window", "share_rows", "stack_padded", "stored_once_nbytes", "with_rows"]
 
 
 def local_window(
@@ -50,3 +50,19 @@ def with_rows(prompt, take: Callable[[torch.Tensor], torch.Tensor], store_field:
     changes["policy_state"] = {k: take(v) for k, v in prompt.policy_state.items()}
     changes[store_field] = getattr(prompt, store_field).select_rows(host_index)
     return dataclasses.replace(prompt, **changes, **more)
+
+
+def stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = None) -> torch.Tensor:
+    """Concatenate `parts` over dim 0, each zero-padded to the largest size on every other dim: at the end, or
+    at the start on `right_aligned_dim`. One allocation; parts may be stride-0 views over rows."""
+    first = parts[0]
+    shape = [sum(p.shape[0] for p in parts)] + [max(p.shape[d] for p in parts) for d in range(1, first.dim())]
+    out = first.new_zeros(shape)
+    row = 0
+    for p in parts:
+        index = [slice(row, row + p.shape[0])] + [slice(0, n) for n in p.shape[1:]]
+        if right_aligned_dim is not None:
+            index[right_aligned_dim] = slice(shape[right_aligned_dim] - p.shape[right_aligned_dim], None)
+        out[tuple(index)] = p
+        row += p.shape[0]
+    return out

@@ -24,7 +24,6 @@ from . import microbatch
 from .adapters import check_supported, patch_model, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
-from .prefill import SLIDING_PREFIX, refuse_sliding_prefix
 from .prefill import prefill as prefill_document
 from .sliding_layer import SlidingLayer
 from .state import CacheState, CheckedUpdates
@@ -110,7 +109,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
 
         adapter = patch_model(model)
         self.config = config
-        self.policy = policy or (QuantizedKeyTopK(config.score_grid_dim) if yakv else LandmarkTopK())
+        self.policy = policy or _default_policy(config)
         self._graphs = GraphSwitch()  # off for this cache once a capture fails
         self.notices = Notices()  # what this cache has told its user (logger "shadowkv_cache")
 
@@ -151,7 +150,6 @@ class ShadowKVCache(CheckedUpdates, Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document `input_ids` (`[S]` or `[1, S]`), ready to `save_prefix` or
         `fork`: one forward pass (no generation), with a per-layer progress bar if `progress`."""
-        refuse_sliding_prefix(model, "prefill")
         cache = cls(model, config, policy, **overrides)
         ids = prefix.as_prefix_ids(input_ids)
         prefill_document(model, ids, cache, progress=progress)
@@ -190,11 +188,6 @@ class ShadowKVCache(CheckedUpdates, Cache):
         >>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
         """
         ids, mask = microbatch.check_batch(input_ids, attention_mask, micro_batch_size)
-        if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
-            raise NotImplementedError(
-                "ShadowKVCache.prefill_batch joins ShadowKV-mode prompts only; with mode='yakv' prefill the batch "
-                "in one forward (model.generate with a fresh ShadowKVCache(model, mode='yakv'))."
-            )
         cache = cls(model, config, policy, **overrides)
         ids, mask = ids[:, :-1], mask[:, :-1]
 
@@ -227,15 +220,9 @@ class ShadowKVCache(CheckedUpdates, Cache):
             key (`bytes`, *optional*): sign with HMAC-SHA256 under this key (`load_prefix` then needs it); without
                 a key the file's SHA-256 digests detect damage, not a deliberate change.
         """
-        if self.config.mode != "shadowkv":
-            raise prefix.PrefixCacheError(
-                f"save_prefix does not support mode={self.config.mode!r} yet; share the document in this process "
-                "with fork(), or use mode='shadowkv'."
-            )
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
-        refuse_sliding_prefix(model, "save_prefix")
         if input_ids is None and self._prefix_ids is None:
             raise prefix.PrefixCacheError(
                 "save_prefix needs the document's ids: pass input_ids=..., or make the cache with "
@@ -245,8 +232,12 @@ class ShadowKVCache(CheckedUpdates, Cache):
         if self._prefix_ids is not None and not torch.equal(ids, self._prefix_ids):
             raise prefix.PrefixCacheError("input_ids are not the document this cache was prefilled with.")
         with self._state.using():  # not while another thread's call changes the layers, nor when broken
-            layers = [(layer.prompt, layer.keys, layer.values) for layer in self.layers]
-            prefix.write_prefix(path, model, self.config, self.policy, ids, layers, key=key)
+            layers = [
+                (layer.prompt, layer.keys, layer.values, layer.get_seq_length() if layer.is_initialized else 0)
+                for layer in self.layers
+            ]
+            windows = sliding_windows(model.config.get_text_config())
+            prefix.write_prefix(path, model, self.config, self.policy, ids, layers, windows, key=key)
         self._prefix_ids = ids
 
     @classmethod
@@ -262,41 +253,43 @@ class ShadowKVCache(CheckedUpdates, Cache):
     ) -> ShadowKVCache:
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
-        The file's model identity, config, version and every tensor's shape and dtype are checked before
-        anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
-        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. The temporal
-        cache starts empty. `verify=False` skips the tensor digests and finiteness checks (1.5 s per GiB on one CPU
-        core) for a file you trust; `key` is the key a signed file was saved with (`save_prefix(..., key=...)`).
+        The file's model identity, config (`mode` included), version and every tensor's shape and dtype are checked
+        before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
+        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. ShadowKV's temporal
+        cache starts empty; sliding-window layers start from the saved window. `verify=False` skips the tensor digests
+        and finiteness checks (1.5 s per GiB on one CPU core) for a file you trust; `key` is the key a signed file was
+        saved with (`save_prefix(..., key=...)`); `policy` defaults to the mode's own.
         """
-        if overrides.get("mode", getattr(config, "mode", "shadowkv")) != "shadowkv":
-            raise prefix.PrefixCacheError(
-                "load_prefix does not support mode='yakv' yet (prefix files hold ShadowKV-mode prompts); "
-                "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
-            )
-        refuse_sliding_prefix(model, "load_prefix")
-        state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides, verify=verify, key=key)
+        windows = sliding_windows(model.config.get_text_config())  # unknown layer types raise here
+        state = prefix.read_prefix(
+            model, path, config, policy, _default_policy, overrides, windows, verify=verify, key=key
+        )
         cache = cls(model, state.config, state.policy)
+        seen = len(state.token_ids)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
-            layer.set_prefix(prompt, keys, values)
+            if isinstance(layer, SlidingLayer):
+                layer.set_window(keys, values, seen)
+            else:
+                layer.set_prefix(prompt, keys, values)
         cache._prefix_ids = state.token_ids
         return cache
 
     def fork(self, batch_size: int = 1) -> ShadowKVCache:
         """A cache of `batch_size` rows that all start from this cache's one-row prefix and share it.
 
-        The document's device tensors (factors, landmarks, outliers, local window) and host values are held
-        once, whatever `batch_size`; each row has its own temporal cache and its own question and generated
-        tokens. This cache is left as it is, so it can be forked again. For a batch of questions build the
-        input with `shadowkv_cache.prefix.batch_questions`.
+        The document's device tensors (factors, landmarks, outliers, local window, YAKV's scoring codes, sliding
+        layers' windows) and host values are held once, whatever `batch_size`; each row has its own temporal cache
+        and its own question and generated tokens. This cache is left as it is, so it can be forked again. For a
+        batch of questions build the input with `shadowkv_cache.prefix.batch_questions` (for models with
+        sliding-window layers, questions of one length: see `check_prefix_ids`).
         """
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (rows that share the document), got {batch_size!r}.")
-        if any(isinstance(layer, SlidingLayer) for layer in self.layers):
-            raise NotImplementedError(SLIDING_PREFIX.format(what="fork"))
         state = self._state.forked()  # its own conversation, so its own user (refused when this cache is broken)
         rows = {layer.keys.shape[0] for layer in self.layers if layer.is_initialized}
         after = {layer.keys.shape[2] for layer in self.layers if layer.is_compressed}
-        known = self._prefix_ids is not None and self.get_seq_length() != len(self._prefix_ids)
+        seen = {layer.get_seq_length() for layer in self.layers if layer.is_initialized}
+        known = self._prefix_ids is not None and seen != {len(self._prefix_ids)}
         if rows != {1} or after - {0} or known or not all(layer.is_initialized for layer in self.layers):
             raise prefix.PrefixCacheError(
                 "fork() needs a one-row cache that holds only a document (right after prefill or load_prefix); "
@@ -318,6 +311,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
             microbatch.check_generate_ids(*self._prefilled, input_ids, attention_mask)
         elif self._prefix_ids is not None:
             prefix.check_prefix_ids(self._prefix_ids, input_ids, rows=self.layers[0].keys.shape[0])
+            if any(isinstance(layer, SlidingLayer) for layer in self.layers):
+                prefix.refuse_pads_after_prefix(len(self._prefix_ids), attention_mask)
         else:
             return
         self._prefix_checked = True
@@ -341,3 +336,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
     def __repr__(self) -> str:
         compressed = sum(layer.is_compressed for layer in self.layers)
         return f"ShadowKVCache({self.config}, compressed_layers={compressed}/{len(self.layers)})"
+
+
+def _default_policy(config: ShadowKVConfig) -> SelectionPolicy:
+    """The mode's own policy: ShadowKV's landmarks, or YAKV's quantised keys at the config's scoring grid."""
+    return QuantizedKeyTopK(config.score_grid_dim) if config.mode == "yakv" else LandmarkTopK()

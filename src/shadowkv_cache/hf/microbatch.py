@@ -24,7 +24,6 @@ from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
 from ..prefix import PrefixCacheError
-from ..shadowkv.prompt import CompressedPrompt, local_only_prompt
 from .layer import CompressedLayer
 from .prefill import run_prompt
 
@@ -123,8 +122,8 @@ def join_parts(cache, parts: list, attention_mask: torch.Tensor, pin_memory: boo
     """Fill `cache`'s layers with the rows of `parts` (caches filled by `prefill_parts`), in order; host values
     are pinned if `pin_memory` and the layer is on CUDA.
 
-    A ShadowKV layer compressed in some parts and not in others (parts whose rows are all shorter than
-    `min_compress_len`) holds its exact rows in the local window, as a batched prefill would. Other layer types
+    A compressed layer (either mode) compressed in some parts and not in others (parts whose rows are all shorter
+    than `min_compress_len`) holds its exact rows in the local window, as a batched prefill would. Other layer types
     (exact ones, such as sliding-window layers) get their keys and values concatenated over rows. Each layer of
     the parts is dropped as soon as it is joined, so the joined state and the parts never coexist in full.
     """
@@ -139,7 +138,7 @@ def join_parts(cache, parts: list, attention_mask: torch.Tensor, pin_memory: boo
         if not all(layer.is_initialized for layer in layers):
             raise RuntimeError(f"Layer {i} was not filled by the prefill; prefill_batch cannot join it.")
         if isinstance(target, CompressedLayer):
-            _join_shadowkv_layer(target, layers, [real[b] for b in bounds], pin_memory)
+            _join_compressed_layer(target, layers, [real[b] for b in bounds], pin_memory)
         else:
             joined = copy.copy(layers[0])  # scalars (e.g. a sliding layer's cumulative length) are equal in all
             joined.keys = torch.cat([layer.keys for layer in layers])
@@ -150,20 +149,23 @@ def join_parts(cache, parts: list, attention_mask: torch.Tensor, pin_memory: boo
         del layers
 
 
-def _join_shadowkv_layer(
+def _join_compressed_layer(
     target: CompressedLayer, layers: list[CompressedLayer], real: list[torch.Tensor], pin_memory: bool
 ) -> None:
+    """Join one compressed layer of the parts, in either mode: the prompt type (`CompressedPrompt`,
+    `QuantizedPrompt`) pads and joins its own rows (`concat`) and holds rows kept exact as its mode holds them in a
+    batch (`exact_rows`)."""
     compressed = [layer.prompt for layer in layers if layer.is_compressed]
     if not compressed:
         target.set_prefix(None, torch.cat([la.keys for la in layers]), torch.cat([la.values for la in layers]))
         return
     like = compressed[0]
     prompts = [
-        layer.prompt if layer.is_compressed else local_only_prompt(layer.keys, layer.values, rows, like)
+        layer.prompt if layer.is_compressed else like.exact_rows(layer.keys, layer.values, rows)
         for layer, rows in zip(layers, real)
     ]
-    prompt = CompressedPrompt.concat(prompts, pin=pin_memory and like.a.is_cuda)
-    empty = like.local_keys.new_zeros((prompt.a.shape[0], like.local_keys.shape[1], 0, like.local_keys.shape[3]))
+    prompt = type(like).concat(prompts, pin=pin_memory and like.local_keys.is_cuda)
+    empty = prompt.local_keys[:, :, :0].clone()  # [B, Hkv, 0, D]: no tokens after the prompt yet
     target.set_prefix(prompt, empty, empty.clone())
 
 

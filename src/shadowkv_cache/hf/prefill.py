@@ -10,20 +10,8 @@ from transformers.utils.logging import is_progress_bar_enabled
 
 from ..prefix.identity import kv_dtype_and_devices
 from ..prefix.use import as_prefix_ids
-from .adapters import sliding_windows
 
-__all__ = ["SLIDING_PREFIX", "prefill", "refuse_sliding_prefix", "run_prompt"]
-
-SLIDING_PREFIX = (
-    "ShadowKVCache.{what} does not support models with sliding-window layers (Gemma 3) yet: a saved or shared "
-    "prefix would have to hold each sliding layer's window as well. Prefill the document in each cache instead."
-)
-
-
-def refuse_sliding_prefix(model: nn.Module, what: str) -> None:
-    """`NotImplementedError` (`SLIDING_PREFIX`) when `model` has sliding-window layers: `what` cannot serve it."""
-    if any(window is not None for window in sliding_windows(model.config.get_text_config())):
-        raise NotImplementedError(SLIDING_PREFIX.format(what=what))
+__all__ = ["prefill", "run_prompt"]
 
 
 def prefill(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool = False) -> None:

@@ -10,7 +10,7 @@ from .errors import PrefixCacheError
 from .format import FORMAT_VERSION, METADATA_KEY, write_prefix
 from .identity import model_identity, token_ids_sha256
 from .read import PrefixState, read_prefix
-from .use import as_prefix_ids, batch_questions, check_prefix_ids
+from .use import as_prefix_ids, batch_questions, check_prefix_ids, refuse_pads_after_prefix
 
 __all__ = [
     "FORMAT_VERSION",
@@ -22,6 +22,7 @@ __all__ = [
     "check_prefix_ids",
     "model_identity",
     "read_prefix",
+    "refuse_pads_after_prefix",
     "token_ids_sha256",
     "write_prefix",
 ]

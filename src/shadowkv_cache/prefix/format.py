@@ -3,10 +3,11 @@
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
 tokens, R rank, O outlier chunks, W local-window tokens.
 
-A prefix file (format version 4, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
+A prefix file (format version 5, see docs/prefix_format.md) holds, per layer, what a one-row `ShadowKVCache`
 keeps of a document: the `CompressedPrompt` tensors (low-rank factors, positions, policy state such as the
-landmarks, outliers, local window, host values), or the exact keys/values of a document shorter than
-`min_compress_len`; plus the token ids. Its safetensors metadata holds one JSON object (key
+landmarks, outliers, local window, host values), in YAKV mode the `QuantizedPrompt` tensors (host records, scoring
+codes, recent window), the exact keys/values of a document shorter than `min_compress_len`, or a sliding-window
+layer's window; plus the token ids. Its safetensors metadata holds one JSON object (key
 `shadowkv_prefix`): format and version, the model's identity (a hash of its config and of every weight that shapes
 the keys and values), the ShadowKV config, the selection policy, the prefix length, a hash of the token ids, the KV
 dtype, and digests of every tensor and of the header (SHA-256, or HMAC-SHA256 with a key; `integrity.py`). The
@@ -31,17 +32,36 @@ from safetensors.torch import save_file
 
 from ..config import ShadowKVConfig
 from ..policies.base import SelectionPolicy
+from ..quant import HiggsQuantizer
+from ..shadowkv.prompt import CompressedPrompt
 from ..stores.value_codecs import value_codec
 from . import integrity
 from .errors import PrefixCacheError
 from .identity import kv_dtype_and_devices, model_dims, model_identity, token_ids_sha256
-from .layout import check_specs, expected_tensors, layer_tensors
+from .layout import check_specs, expected_tensors, layer_kinds, layer_tensors
 
-__all__ = ["DECODE_TIME_FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_KEY", "format_bytes", "write_prefix"]
+__all__ = [
+    "DECODE_TIME_FIELDS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_KEY",
+    "OLDER_VERSIONS",
+    "format_bytes",
+    "policy_settings",
+    "yakv_quantizers",
+    "write_prefix",
+]
 
 FORMAT_NAME = "shadowkv-prefix"
-FORMAT_VERSION = 4  # 2: per-layer ranks (rank='auto'); 3: digests of every tensor and the header, all K/V weights;
-# 4: the rank rule's attention-weighted bound (`auto_rank_shift`) in the config
+FORMAT_VERSION = 5  # 2: per-layer ranks (rank='auto'); 3: digests of every tensor and the header, all K/V weights;
+# 4: the rank rule's attention-weighted bound (`auto_rank_shift`) in the config; 5: sliding-window layers, YAKV mode,
+# the policy's settings and the YAKV quantisers
+OLDER_VERSIONS = {
+    1: "version 1 predates per-layer ranks, rank='auto'",
+    2: "version 2 predates the digests of every tensor and the identity over every K/V weight",
+    3: "version 3 predates the attention-weighted bound of rank='auto', auto_rank_shift",
+    4: "version 4 predates sliding-window layers, YAKV mode and the policy's settings in the file",
+}
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
 DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
@@ -55,6 +75,33 @@ _TMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{16}" + re.escap
 STALE_AFTER_S = 600.0
 
 
+def policy_settings(policy: SelectionPolicy) -> dict:
+    """The policy's public settings of plain JSON types (e.g. `QuantizedKeyTopK`'s `grid_dim` and `seed`), and those
+    of the policies it wraps (`SharedBudgetTopK`'s `inner`): a policy of the same class with other settings prepares
+    other state."""
+    plain = (bool, int, float, str, type(None))
+    out = {}
+    for name, value in sorted(vars(policy).items()):
+        if isinstance(value, SelectionPolicy):
+            out[name] = {"name": type(value).__name__, "settings": policy_settings(value)}
+        elif not name.startswith("_") and isinstance(value, plain):
+            out[name] = value
+    return out
+
+
+def yakv_quantizers(config: ShadowKVConfig, policy: SelectionPolicy, head_dim: int) -> dict[str, HiggsQuantizer]:
+    """`{"host": ..., "score": ...}`: the HIGGS quantisers that encode a YAKV prompt's host records and the policy's
+    scoring state (that of the policy, or of a policy it wraps, with a `quantizer`); `{}` in ShadowKV mode."""
+    if config.mode != "yakv":
+        return {}
+    out = {"host": HiggsQuantizer(head_dim, config.host_grid_dim)}
+    wrapped = [policy, *(v for v in vars(policy).values() if isinstance(v, SelectionPolicy))]
+    scorer = next((p.quantizer for p in wrapped if callable(getattr(p, "quantizer", None))), None)
+    if scorer is not None:
+        out["score"] = scorer(head_dim)
+    return out
+
+
 def write_prefix(
     path,
     model,
@@ -62,31 +109,39 @@ def write_prefix(
     policy: SelectionPolicy,
     token_ids: torch.Tensor,
     layers,
+    windows: list[int | None],
     key: bytes | None = None,
 ) -> None:
-    """Save a one-row prefix (`layers`: `(prompt, keys, values)` per layer) to `path`, atomically; with `key`
-    (bytes), every digest is an HMAC-SHA256 under it."""
+    """Save a one-row prefix to `path`, atomically; with `key` (bytes), every digest is an HMAC-SHA256 under it.
+
+    Args:
+        layers: per layer `(prompt, keys, values, seen)`: the compressed prompt or None, the exact keys and values
+            `[1, Hkv, G, D]` (a short document, a sliding layer's window, none after a prompt), and the tokens the
+            layer has seen.
+        windows: per layer the sliding window, or None (`sliding_windows` of the model's config).
+    """
     path = Path(path)
     key = integrity.check_key_option(key)
     length = len(token_ids)
     dims = model_dims(model)
     dtype, _ = kv_dtype_and_devices(model, dims[0])
-    for i, (prompt, keys, _) in enumerate(layers):
-        held = keys.shape[2] + (prompt.slots if prompt is not None else 0) if keys is not None else 0
-        if keys is None or keys.shape[0] != 1 or held != length:
+    for i, (_, keys, _, seen) in enumerate(layers):
+        rows = 0 if keys is None else keys.shape[0]
+        if keys is None or rows != 1 or seen != length:
             raise PrefixCacheError(
                 f"save_prefix needs a one-row cache that holds exactly the {length}-token document; layer {i} "
-                f"holds {held} tokens in {0 if keys is None else keys.shape[0]} row(s). Prefill the document "
+                f"holds {seen if keys is not None else 0} tokens in {rows} row(s). Prefill the document "
                 "alone (ShadowKVCache.prefill(model, ids)) and save before generating."
             )
     tensors = {"token_ids": token_ids}
-    for i, (prompt, keys, values) in enumerate(layers):
+    for i, (prompt, keys, values, _) in enumerate(layers):
         tensors |= layer_tensors(i, prompt, keys, values)
     tensors = {k: v[:1].contiguous() if k != "token_ids" else v.contiguous() for k, v in tensors.items()}
-    policy_state = layers[0][0].policy_state if layers and layers[0][0] is not None else {}
+    prompts = [prompt for prompt, *_ in layers if prompt is not None]
+    policy_state = prompts[0].policy_state if prompts else {}
     policy_specs = {name: (tuple(t[:1].shape), t.dtype) for name, t in policy_state.items()}
-    ranks = [prompt.a.shape[-1] if prompt is not None else 0 for prompt, _, _ in layers]
-    expected = expected_tensors(dims, config, length, dtype, policy_specs, ranks)
+    ranks = [prompt.a.shape[-1] if isinstance(prompt, CompressedPrompt) else 0 for prompt, *_ in layers]
+    expected = expected_tensors(dims, config, length, dtype, policy_specs, ranks, windows)
     check_specs({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, expected, "this cache")
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +166,7 @@ def write_prefix(
         "shadowkv_config": dataclasses.asdict(config),
         "policy": {
             "name": type(policy).__name__,
+            "settings": policy_settings(policy),
             "state": {
                 n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in policy_specs.items()
             },
@@ -119,7 +175,8 @@ def write_prefix(
         "token_ids_sha256": token_hash,
         "kv_dtype": str(dtype).removeprefix("torch."),
         "value_codec": value_codec(config.value_format, dims[2]).identity(),
-        "layers": ["compressed" if p is not None else "exact" for p, _, _ in layers],
+        "quantizers": {k: q.identity() for k, q in yakv_quantizers(config, policy, dims[2]).items()},
+        "layers": layer_kinds(windows, config, length, dims[1] * dims[2]),
         "ranks": ranks,
         integrity.FIELD: {
             "algorithm": integrity.KEYED if key is not None else integrity.UNKEYED,

@@ -1,7 +1,12 @@
-"""The tensors of a prefix file: their names, shapes and dtypes for a model, config and prefix length.
+"""The tensors of a prefix file: their names, shapes and dtypes for a model, config and prefix length, and the layer
+state they hold.
 
 Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed
-tokens, R rank, O outlier chunks, W local-window tokens, P payload elements per value vector.
+tokens, R rank, O outlier chunks, W local-window tokens, P payload elements per value vector, N quantised tokens
+(YAKV), E bytes of one YAKV record, V a sliding layer's window.
+
+Each layer is of one kind (`layer_kinds`): "compressed" (ShadowKV), "quantized" (YAKV), "exact" (a document shorter
+than `min_compress_len`) or "sliding" (a sliding-window layer: its last `V - 1` tokens, exact).
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ import torch
 
 from ..config import ShadowKVConfig
 from ..shadowkv.prompt import CompressedPrompt
+from ..stores.quantized_store import QuantizedKVStore, record_bytes
 from ..stores.value_codecs import value_codec
+from ..stores.value_store import HostValueStore
+from ..yakv.prompt import QuantizedPrompt
 from .errors import PrefixCacheError
 
 __all__ = [
@@ -21,7 +29,10 @@ __all__ = [
     "check_structure",
     "dtype_name",
     "expected_tensors",
+    "layer_kinds",
     "layer_tensors",
+    "read_layer",
+    "sliding_held",
 ]
 
 ST_DTYPES = {
@@ -37,21 +48,55 @@ DTYPES_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in ST_DTYPES}
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one stored tensor
 
 
+def sliding_held(window: int, length: int) -> int:
+    """Tokens a sliding layer of window `window` holds after `length` tokens (Transformers keeps the last
+    `window - 1`: with the next token they make the window)."""
+    return min(length, window - 1)
+
+
+def layer_kinds(windows: list[int | None], config: ShadowKVConfig, length: int, key_dim: int) -> list[str]:
+    """Each layer's kind for a document of `length` tokens: "sliding" where `windows[i]` is a sliding window, else
+    "exact" when the config keeps the document exact, else "quantized" (YAKV) or "compressed" (ShadowKV)."""
+    compressed = config.resolve(length, key_dim).num_chunks > 0
+    kind = ("quantized" if config.mode == "yakv" else "compressed") if compressed else "exact"
+    return ["sliding" if window is not None else kind for window in windows]
+
+
 def expected_tensors(
-    dims, config: ShadowKVConfig, length: int, dtype, policy_specs: dict[str, Spec], ranks: list[int]
+    dims,
+    config: ShadowKVConfig,
+    length: int,
+    dtype,
+    policy_specs: dict[str, Spec],
+    ranks: list[int],
+    windows: list[int | None],
 ) -> dict[str, Spec]:
     """`{name: (shape, dtype)}` of every tensor a file for this model, config and prefix length must hold, with the
-    key factors of layer `i` of rank `ranks[i]`."""
+    key factors of layer `i` of rank `ranks[i]` and the sliding windows `windows` (`None` for other layers)."""
     num_layers, heads, dim = dims
     sizes = config.resolve(length, heads * dim)
     specs: dict[str, Spec] = {"token_ids": ((length,), torch.int64)}
-    for i in range(num_layers):
+    for i, kind in enumerate(layer_kinds(windows, config, length, heads * dim)):
         p = f"layers.{i}."
-        if not sizes.num_chunks:  # a short document stays exact
-            specs[p + "keys"] = specs[p + "values"] = ((1, heads, length, dim), dtype)
+        if kind in ("exact", "sliding"):  # a short document, or a sliding layer's window, stays exact
+            held = length if kind == "exact" else sliding_held(windows[i], length)
+            specs[p + "keys"] = specs[p + "values"] = ((1, heads, held, dim), dtype)
+            continue
+        specs |= {f"{p}policy.{name}": spec for name, spec in policy_specs.items()}
+        local = sizes.local
+        if kind == "quantized":
+            num = sizes.num_chunks  # YAKV: quantised tokens
+            specs |= {
+                p + "real": ((1, num), torch.bool),
+                p + "budget_tokens": ((1,), torch.int64),
+                p + "local_keys": ((1, heads, local, dim), dtype),
+                p + "local_values": ((1, heads, local, dim), dtype),
+                p + "local_valid": ((1, local), torch.bool),
+                p + "host_records": ((1, heads, num, record_bytes(dim // config.host_grid_dim)), torch.uint8),
+            }
             continue
         c, chunks, rank = config.chunk_size, sizes.num_chunks, ranks[i]
-        out, local = sizes.outliers * c, sizes.local
+        out = sizes.outliers * c
         codec = value_codec(config.value_format, dim)
         specs |= {
             p + "a": ((1, chunks * c, rank), dtype),
@@ -69,16 +114,22 @@ def expected_tensors(
         }
         if codec.scale_dtype is not None:
             specs[p + "host_value_scales"] = ((1, heads, chunks, c), codec.scale_dtype)
-        specs |= {f"{p}policy.{name}": spec for name, spec in policy_specs.items()}
     return specs
 
 
-def layer_tensors(i: int, prompt: CompressedPrompt | None, keys: torch.Tensor, values: torch.Tensor) -> dict:
+def layer_tensors(
+    i: int, prompt: CompressedPrompt | QuantizedPrompt | None, keys: torch.Tensor, values: torch.Tensor
+) -> dict:
+    """The tensors of layer `i` (row 0 of the host stores; the caller keeps row 0 of the rest): the exact `keys` and
+    `values` of an exact or sliding layer, else the prompt's per-row fields, policy state and host store."""
     p = f"layers.{i}."
     if prompt is None:
         return {p + "keys": keys, p + "values": values}
-    out = {p + name: getattr(prompt, name) for name in CompressedPrompt.ROW_FIELDS}
+    out = {p + name: getattr(prompt, name) for name in prompt.ROW_FIELDS}
     out |= {f"{p}policy.{name}": t for name, t in prompt.policy_state.items()}
+    if isinstance(prompt, QuantizedPrompt):
+        out[p + "host_records"] = prompt.store.data[prompt.store.row_map[:1]]
+        return out
     store = prompt.values  # saved as stored (encoded), so a load decodes exactly what this cache decodes
     out[p + "host_values"] = store.data[store.row_map[:1]]
     if store.scales is not None:
@@ -105,19 +156,77 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")  # a torch dtype, or a safetensors name we do not map (e.g. F64)
 
 
-def check_structure(tensors: dict, i: int, sizes, path) -> None:
-    """A document prefix has fixed structure: positions 0..Tc-1, every outlier and local slot real, C-O selectable
-    chunks per head, the budget of its config. A file that says otherwise is damaged."""
-    if not sizes.num_chunks:
+def check_structure(tensors: dict, i: int, kind: str, sizes, path) -> None:
+    """A document prefix has fixed structure: every quantised, outlier and local slot real; for ShadowKV positions
+    0..Tc-1 and C-O selectable chunks per head; the budget of its config. A file that says otherwise is damaged."""
+    if kind not in ("compressed", "quantized"):
         return
-    t = {name: tensors[f"layers.{i}.{name}"] for name in CompressedPrompt.ROW_FIELDS}
-    structure_ok = (
-        torch.equal(t["positions"][0], torch.arange(t["positions"].shape[1]))
-        and int(t["budget_chunks"][0]) == sizes.budget_chunks
-        and bool(t["outlier_valid"].view(torch.uint8).eq(1).all())
-        and bool(t["local_valid"].view(torch.uint8).eq(1).all())
-        and bool(t["selectable"].view(torch.uint8).le(1).all())
-        and bool(t["selectable"].sum(-1).eq(sizes.num_chunks - sizes.outliers).all())
-    )
+    p = f"layers.{i}."
+
+    def all_true(name: str) -> bool:
+        return bool(tensors[p + name].view(torch.uint8).eq(1).all())
+
+    if kind == "quantized":
+        structure_ok = (
+            all_true("real") and all_true("local_valid") and int(tensors[p + "budget_tokens"][0]) == sizes.budget_chunks
+        )
+    else:
+        t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
+        structure_ok = (
+            torch.equal(t["positions"][0], torch.arange(t["positions"].shape[1]))
+            and int(t["budget_chunks"][0]) == sizes.budget_chunks
+            and all_true("outlier_valid")
+            and all_true("local_valid")
+            and bool(t["selectable"].view(torch.uint8).le(1).all())
+            and bool(t["selectable"].sum(-1).eq(sizes.num_chunks - sizes.outliers).all())
+        )
     if not structure_ok:
         raise PrefixCacheError(f"{path}: layer {i} does not hold a document prefix's positions and masks (damaged).")
+
+
+def read_layer(
+    tensors: dict, i: int, kind: str, device: torch.device, config: ShadowKVConfig, sizes, budget: int, length: int
+):
+    """One layer's `(prompt, keys, values)` from the checked `tensors`; `sizes` are the saved config's, `budget` the
+    chunks (YAKV: tokens) to select now, `length` the document's tokens."""
+    p = f"layers.{i}."
+    if kind in ("exact", "sliding"):
+        return None, tensors[p + "keys"].to(device, copy=True), tensors[p + "values"].to(device, copy=True)
+    policy_state = {
+        k.removeprefix(p + "policy."): v.to(device, copy=True)
+        for k, v in tensors.items()
+        if k.startswith(p + "policy.")
+    }
+    pin = config.pin_memory and device.type == "cuda"
+    if kind == "quantized":
+        prompt = QuantizedPrompt(
+            policy_state=policy_state,
+            real=tensors[p + "real"].to(device, copy=True),
+            budget_tokens=torch.tensor([budget], device=device),
+            budget_host=torch.tensor([budget]),
+            local_keys=tensors[p + "local_keys"].to(device, copy=True),
+            local_values=tensors[p + "local_values"].to(device, copy=True),
+            local_valid=tensors[p + "local_valid"].to(device, copy=True),
+            store=QuantizedKVStore.from_records(tensors[p + "host_records"], pin, device),
+            slots=length,
+            max_budget_tokens=budget,
+        )
+    else:
+        t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
+        t["budget_chunks"] = torch.tensor([budget])
+        codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
+        prompt = CompressedPrompt(
+            **{name: v.to(device, copy=True) for name, v in t.items()},
+            policy_state=policy_state,
+            values=HostValueStore.from_encoded(
+                tensors[p + "host_values"],
+                tensors[p + "host_value_scales"] if codec.scale_dtype is not None else None,
+                codec,
+                pin=pin,
+            ),
+            chunk_size=config.chunk_size,
+            slots=sizes.num_chunks * config.chunk_size + sizes.local,
+            max_budget_chunks=budget,
+        )
+    empty = prompt.local_keys[:, :, :0]
+    return prompt, empty, empty.clone()

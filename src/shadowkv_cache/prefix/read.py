@@ -1,6 +1,7 @@
 """Reading a prefix file: everything is checked before any tensor is built.
 
-Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed tokens.
+Legend: S prefix tokens, L layers, Hkv KV heads, D head dim, c chunk size, C chunks, Tc = C*c compressed tokens,
+N quantised tokens (YAKV).
 
 A load reads one file even while a writer replaces it (`held_file.py`).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +22,18 @@ from ..config import ShadowKVConfig
 from ..policies.base import SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
 from ..stores.value_codecs import value_codec
-from ..stores.value_store import HostValueStore
+from ..yakv.prompt import QuantizedPrompt
 from . import integrity
 from .errors import PrefixCacheError, PrefixOptionError
-from .format import DECODE_TIME_FIELDS, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY
+from .format import (
+    DECODE_TIME_FIELDS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_KEY,
+    OLDER_VERSIONS,
+    policy_settings,
+    yakv_quantizers,
+)
 from .held_file import read_one_file
 from .identity import (
     canonical_json,
@@ -33,7 +43,16 @@ from .identity import (
     model_identity,
     token_ids_sha256,
 )
-from .layout import DTYPES_BY_NAME, ST_DTYPES, Spec, check_specs, check_structure, expected_tensors
+from .layout import (
+    DTYPES_BY_NAME,
+    ST_DTYPES,
+    Spec,
+    check_specs,
+    check_structure,
+    expected_tensors,
+    layer_kinds,
+    read_layer,
+)
 
 __all__ = ["PrefixState", "read_prefix"]
 
@@ -45,7 +64,9 @@ class PrefixState:
     config: ShadowKVConfig
     policy: SelectionPolicy
     token_ids: torch.Tensor  # [S] int64 on the CPU
-    layers: list[tuple[CompressedPrompt | None, torch.Tensor, torch.Tensor]]  # (prompt, keys, values) per layer
+    # (prompt, keys, values) per layer: a compressed or quantised prompt and no tokens after it, or None and the
+    # exact keys/values [1, Hkv, G, D] of a short document or of a sliding layer's window
+    layers: list[tuple[CompressedPrompt | QuantizedPrompt | None, torch.Tensor, torch.Tensor]]
 
 
 def _field(meta: dict, key: str, kind: type, path: Path):
@@ -170,12 +191,38 @@ def _check_value_codec(meta: dict, codec, path: Path) -> None:
         )
 
 
+def _check_quantizers(meta: dict, config: ShadowKVConfig, policy: SelectionPolicy, head_dim: int, path: Path) -> None:
+    """YAKV's host records and scoring codes decode only with the quantisers that made them."""
+    saved = _field(meta, "quantizers", dict, path)
+    current = yakv_quantizers(config, policy, head_dim)
+    if sorted(saved) != sorted(current):
+        raise PrefixCacheError(
+            f"{path}: the file records quantisers {sorted(saved)}, this load uses {sorted(current)} (damaged?)."
+        )
+    for role, quantizer in current.items():
+        if not quantizer.matches(saved[role]):
+            entry = saved[role]
+            shown = {k: v for k, v in entry.items() if k not in ("grid", "signs")} if isinstance(entry, dict) else entry
+            raise PrefixCacheError(
+                f"{path} holds {role} codes of the HIGGS quantiser {shown} (grid and signs not shown), which this "
+                "shadowkv_cache's quantiser does not decode (another grid, rotation or seed); prefill the document "
+                "again."
+            )
+
+
 def _policy_specs(meta: dict, policy: SelectionPolicy, path: Path) -> dict[str, Spec]:
     saved = _field(meta, "policy", dict, path)
     if _field(saved, "name", str, path) != type(policy).__name__:
         raise PrefixCacheError(
             f"{path} was prepared for the {saved['name']} selection policy, this load uses "
             f"{type(policy).__name__}; pass policy={saved['name']}() or prefill again."
+        )
+    settings = _field(saved, "settings", dict, path)
+    if settings != policy_settings(policy):
+        raise PrefixCacheError(
+            f"{path} was prepared by a {saved['name']} with other settings: "
+            f"{_differences(settings, policy_settings(policy))}. Pass a policy with the file's settings or prefill "
+            "again."
         )
     specs = {}
     for name, spec in _field(saved, "state", dict, path).items():
@@ -192,12 +239,16 @@ def read_prefix(
     model: nn.Module,
     path,
     config: ShadowKVConfig | None,
-    policy: SelectionPolicy,
+    policy: SelectionPolicy | None,
+    default_policy: Callable[[ShadowKVConfig], SelectionPolicy],
     overrides: dict,
+    windows: list[int | None],
     verify: bool = True,
     key: bytes | None = None,
 ) -> PrefixState:
-    """Validate the file at `path` against `model`, `config`/`overrides` and `policy`, then read it.
+    """Validate the file at `path` against `model`, `config`/`overrides` and `policy` (`default_policy(config)` when
+    None, for the config the load resolves to), then read it; `windows` are the model's sliding windows per layer
+    (None for other layers).
 
     Everything is checked before any tensor is built, from one open file: format and version, the key (a keyed
     file's header MAC first), model type, config and KV dtype, ShadowKV config, policy, every tensor's name, shape and
@@ -214,22 +265,20 @@ def read_prefix(
         raise PrefixOptionError("load_prefix(key=...) authenticates the file, which needs verify=True.")
 
     def read(f) -> PrefixState:
-        return _read_open(f, model, path, config, policy, overrides, verify, key)
+        return _read_open(f, model, path, config, policy, default_policy, overrides, windows, verify, key)
 
     return read_one_file(path, read)
 
 
-def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bool, key: bytes | None) -> PrefixState:
+def _read_open(
+    f, model, path: Path, config, policy, default_policy, overrides: dict, windows, verify: bool, key: bytes | None
+) -> PrefixState:
     meta, found = _read_header(f, path)
     if meta.get("format") != FORMAT_NAME:
         raise PrefixCacheError(f"{path}: not a shadowkv_cache prefix (format {meta.get('format')!r}).")
     version = _field(meta, "version", int, path)
     if version != FORMAT_VERSION:
-        older = {
-            1: " (version 1 predates per-layer ranks, rank='auto')",
-            2: " (version 2 predates the digests of every tensor and the identity over every K/V weight)",
-            3: " (version 3 predates the attention-weighted bound of rank='auto', auto_rank_shift)",
-        }.get(version, "")
+        older = f" ({OLDER_VERSIONS[version]})" if version in OLDER_VERSIONS else ""
         raise PrefixCacheError(
             f"{path} uses prefix format version {version}{older}; this shadowkv_cache reads version "
             f"{FORMAT_VERSION}. Prefill the document again with this version (or use the version that wrote it)."
@@ -242,12 +291,15 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
     dims = model_dims(model)
     kinds = _field(meta, "layers", list, path)
     sizes = saved_config.resolve(length, dims[1] * dims[2])
-    if length < 1 or kinds != ["compressed" if sizes.num_chunks else "exact"] * dims[0]:
+    if length < 1 or kinds != layer_kinds(windows, saved_config, length, dims[1] * dims[2]):
         raise PrefixCacheError(f"{path}: prefix length {length} and layer kinds {kinds[:3]}... do not fit (damaged?).")
-    ranks = _ranks(meta, sizes, dims[0], path)
-    expected = expected_tensors(dims, config, length, dtype, _policy_specs(meta, policy, path), ranks)
+    ranks = _ranks(meta, sizes, kinds, path)
+    policy = policy if policy is not None else default_policy(config)
+    specs = _policy_specs(meta, policy, path)
+    expected = expected_tensors(dims, config, length, dtype, specs, ranks, windows)
     check_specs(found, expected, str(path))
     _check_value_codec(meta, value_codec(config.value_format, dims[2]), path)
+    _check_quantizers(meta, config, policy, dims[2], path)
     digests = _field(sealed, "tensors", dict, path)
     if sorted(digests) != sorted(found):
         raise PrefixCacheError(f"{path}: the metadata has digests for other tensors than the file holds (damaged).")
@@ -262,13 +314,13 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
             raise PrefixCacheError(f"{path}: the token ids do not match their hash (damaged file).")
         budget = config.resolve(length, dims[1] * dims[2]).budget_chunks  # `sparse_budget` may change at load
         for i in range(dims[0]):
-            check_structure(tensors, i, sizes, path)
+            check_structure(tensors, i, kinds[i], sizes, path)
         if verify:  # after the field-by-field checks, which name what is wrong; this catches the rest
             if not integrity.digests_equal(sealed.get("header"), integrity.header_digest(key, meta)):
                 raise PrefixCacheError(f"{path}: the metadata does not match its digest (damaged header).")
             integrity.verify_tensors(tensors, digests, token_hash, key, path)
         token_ids = tensors["token_ids"].clone()
-        layers = [_read_layer(tensors, i, devices[i], config, sizes, budget) for i in range(dims[0])]
+        layers = [read_layer(tensors, i, kinds[i], devices[i], config, sizes, budget, length) for i in range(dims[0])]
     except PrefixCacheError:
         raise
     except Exception as err:  # a data region the header promised but the file lacks, an unreadable page
@@ -276,53 +328,17 @@ def _read_open(f, model, path: Path, config, policy, overrides: dict, verify: bo
     return PrefixState(config, policy, token_ids, layers)
 
 
-def _ranks(meta: dict, sizes, num_layers: int, path: Path) -> list[int]:
-    """Each layer's rank of the key factors (0 for an exact layer), checked against the rule that chose it."""
+def _ranks(meta: dict, sizes, kinds: list[str], path: Path) -> list[int]:
+    """Each layer's rank of the key factors (0 for any other kind), checked against the rule that chose it."""
     ranks = _field(meta, "ranks", list, path)
-    if sizes.num_chunks:
-        low = sizes.min_rank if sizes.max_logit_error is not None else sizes.rank
-        fits = all(type(r) is int and low <= r <= sizes.rank for r in ranks)
-    else:
-        fits = all(type(r) is int and r == 0 for r in ranks)
-    if len(ranks) != num_layers or not fits:
-        if not sizes.num_chunks:
-            wanted = "0 (exact layers)"
-        elif sizes.max_logit_error is None:
-            wanted = str(sizes.rank)
-        else:
-            wanted = f"{sizes.min_rank}..{sizes.rank}"
+    low = sizes.min_rank if sizes.max_logit_error is not None else sizes.rank
+    fits = len(ranks) == len(kinds) and all(
+        type(r) is int and (low <= r <= sizes.rank if kind == "compressed" else r == 0) for r, kind in zip(ranks, kinds)
+    )
+    if not fits:
+        wanted = str(sizes.rank) if sizes.max_logit_error is None else f"{sizes.min_rank}..{sizes.rank}"
         raise PrefixCacheError(
-            f"{path}: the file's per-layer ranks {ranks[:6]} do not fit the config it was saved with ({num_layers} "
-            f"layers of rank {wanted}); the file is damaged."
+            f"{path}: the file's per-layer ranks {ranks[:6]} do not fit the config it was saved with (layers "
+            f"{kinds[:6]}: rank {wanted} for a compressed layer, 0 for the others); the file is damaged."
         )
     return ranks
-
-
-def _read_layer(tensors: dict, i: int, device: torch.device, config: ShadowKVConfig, sizes, budget: int):
-    """One layer's `(prompt, keys, values)` from the checked `tensors`; `sizes` are the saved config's, `budget` the
-    chunks to select now."""
-    p = f"layers.{i}."
-    if not sizes.num_chunks:
-        return None, tensors[p + "keys"].to(device, copy=True), tensors[p + "values"].to(device, copy=True)
-    t = {name: tensors[p + name] for name in CompressedPrompt.ROW_FIELDS}
-    t["budget_chunks"] = torch.tensor([budget])
-    codec = value_codec(config.value_format, t["b"].shape[-1])  # the file's format: checked to be the config's
-    prompt = CompressedPrompt(
-        **{name: v.to(device, copy=True) for name, v in t.items()},
-        policy_state={
-            k.removeprefix(p + "policy."): v.to(device, copy=True)
-            for k, v in tensors.items()
-            if k.startswith(p + "policy.")
-        },
-        values=HostValueStore.from_encoded(
-            tensors[p + "host_values"],
-            tensors[p + "host_value_scales"] if codec.scale_dtype is not None else None,
-            codec,
-            pin=config.pin_memory and device.type == "cuda",
-        ),
-        chunk_size=config.chunk_size,
-        slots=sizes.num_chunks * config.chunk_size + sizes.local,
-        max_budget_chunks=budget,
-    )
-    empty = prompt.local_keys[:, :, :0]
-    return prompt, empty, empty.clone()

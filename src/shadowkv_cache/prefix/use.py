@@ -12,7 +12,7 @@ import torch
 from .errors import PrefixCacheError
 from .identity import token_ids_sha256
 
-__all__ = ["as_prefix_ids", "batch_questions", "check_prefix_ids"]
+__all__ = ["as_prefix_ids", "batch_questions", "check_prefix_ids", "refuse_pads_after_prefix"]
 
 
 def as_prefix_ids(input_ids) -> torch.Tensor:
@@ -52,6 +52,18 @@ def check_prefix_ids(prefix_ids: torch.Tensor, input_ids: torch.Tensor, rows: in
             f"{token_ids_sha256(prefix_ids)[:12]}...): row {row} differs first at token {col} "
             f"({int(head[row, col])} instead of {int(prefix_ids[col])}). Pass the document ids, then the question; "
             "in a batch, [document][left-padded question] (see shadowkv_cache.prefix.batch_questions)."
+        )
+
+
+def refuse_pads_after_prefix(length: int, attention_mask) -> None:
+    """For models with sliding-window layers: raise if `attention_mask` (`[B, T]`) holds pads after the `length`-token
+    prefix. Their windows count slots, pads included (Transformers' sliding mask), so pads between the document and a
+    question would push document tokens out of the window and the row would not get what its question gets alone."""
+    if attention_mask is not None and bool((attention_mask[:, length:] == 0).any()):
+        raise PrefixCacheError(
+            "This model has sliding-window layers, whose window counts pads: a batch of questions of different "
+            "lengths, padded between the document and the question, would shift what each row sees. Fork one "
+            "cache per question length (questions of one length need no pads), or ask them one at a time."
         )
 
 

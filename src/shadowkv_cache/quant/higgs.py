@@ -186,6 +186,28 @@ class HiggsQuantizer:
         self._rotation = self._signs[:, None] * _hadamard(head_dim)  # row i of H times sign i
         self._device_cache: dict[tuple[str, str], torch.Tensor] = {}
 
+    def identity(self) -> dict:
+        """What decides the codes (JSON, for prefix files): head dim, grid dim, seed, the rotation's signs (a string of
+        `0`/`1` for +/-) and the grid (`256·p` floats, rounded to 6 decimals)."""
+        grid = [round(v, 6) for v in self.grid.flatten().tolist()]
+        signs = "".join("1" if s < 0 else "0" for s in self._signs.tolist())
+        return {"head_dim": self.head_dim, "grid_dim": self.grid_dim, "seed": self.seed, "signs": signs, "grid": grid}
+
+    def matches(self, saved: object) -> bool:
+        """Whether codes made by the quantiser of `identity() == saved` decode correctly with this one. The grid is a
+        Lloyd fit in float32 that other machines may round differently in its last bits; another grid differs by far
+        more than the 1e-4 allowed."""
+        if not isinstance(saved, dict):
+            return False
+        mine = self.identity()
+        grid = saved.get("grid")
+        return (
+            {k: v for k, v in saved.items() if k != "grid"} == {k: v for k, v in mine.items() if k != "grid"}
+            and isinstance(grid, list)
+            and len(grid) == len(mine["grid"])
+            and all(isinstance(a, int | float) and abs(a - b) <= 1e-4 for a, b in zip(grid, mine["grid"]))
+        )
+
     @property
     def bits_per_value(self) -> float:
         """Storage bits per vector coordinate: `8/p + 16/D` exactly."""

@@ -18,7 +18,7 @@ import torch
 from ..config import ShadowKVConfig
 from ..core.landmarks import chunk_landmarks, outlier_chunks
 from ..core.low_rank import RankProbe, factorize_keys
-from ..core.rows import local_window, share_rows, stored_once_nbytes, with_rows
+from ..core.rows import local_window, share_rows, stack_padded, stored_once_nbytes, with_rows
 from ..ops.rebuild_keys import RopeFn
 from ..policies.base import SelectionPolicy
 from ..stores.value_store import HostValueStore
@@ -77,6 +77,11 @@ class CompressedPrompt:
             return self.shared(len(index))
         return with_rows(self, lambda t: t[index], "values", index)
 
+    def exact_rows(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor) -> CompressedPrompt:
+        """Rows of this prompt's batch that stayed exact (`keys`/`values` `[B', Hkv, S, D]`, `real` `[B', S]`), as a
+        prompt that `concat` joins with this one (`local_only_prompt`)."""
+        return local_only_prompt(keys, values, real, self)
+
     @classmethod
     def concat(cls, prompts: list[CompressedPrompt], pin: bool) -> CompressedPrompt:
         """One prompt whose rows are those of `prompts` in order (micro batches of one batch, same `slots`).
@@ -100,9 +105,9 @@ class CompressedPrompt:
             )
         right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
         changes = {
-            name: _stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
+            name: stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
         }
-        changes["policy_state"] = {k: _stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
+        changes["policy_state"] = {k: stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
         changes["values"] = HostValueStore.concat([p.values for p in prompts], pin)
         changes["max_budget_chunks"] = max(p.max_budget_chunks for p in prompts)
         kept = {f.name: getattr(first, f.name) for f in fields(first)}
@@ -112,22 +117,6 @@ class CompressedPrompt:
     def device_nbytes(self) -> int:
         """Bytes held on the device; rows shared through a stride-0 view count once."""
         return stored_once_nbytes([*(getattr(self, name) for name in self.ROW_FIELDS), *self.policy_state.values()])
-
-
-def _stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = None) -> torch.Tensor:
-    """Concatenate `parts` over dim 0, each zero-padded to the largest size on every other dim: at the end, or
-    at the start on `right_aligned_dim`. One allocation; parts may be stride-0 views over rows."""
-    first = parts[0]
-    shape = [sum(p.shape[0] for p in parts)] + [max(p.shape[d] for p in parts) for d in range(1, first.dim())]
-    out = first.new_zeros(shape)
-    row = 0
-    for p in parts:
-        index = [slice(row, row + p.shape[0])] + [slice(0, n) for n in p.shape[1:]]
-        if right_aligned_dim is not None:
-            index[right_aligned_dim] = slice(shape[right_aligned_dim] - p.shape[right_aligned_dim], None)
-        out[tuple(index)] = p
-        row += p.shape[0]
-    return out
 
 
 def _empty_store_like(store: HostValueStore, batch: int) -> HostValueStore:

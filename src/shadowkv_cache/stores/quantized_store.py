@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import QuantizedVectors
-from .pinned_pool import host_copy
+from .pinned_pool import host_copy, pinned_empty
 from .row_map import RowMap
 
 __all__ = ["QuantizedKVStore", "pack_records", "record_bytes", "unpack_records"]
@@ -75,6 +75,35 @@ class QuantizedKVStore:
         """Copy `records` (`[B, Hkv, N, E]` uint8, any device) to host memory, pinned (from the pool) if `pin`."""
         # The device copy of the row map is made now, so that a decode step never copies it from the host.
         return cls(host_copy(records, pin, "YAKV store"), RowMap.identity(records.shape[0], records.device))
+
+    @classmethod
+    def from_records(cls, records: torch.Tensor, pin: bool, device: torch.device) -> QuantizedKVStore:
+        """A store of records already made (`[R, Hkv, N, E]` uint8 on the CPU, e.g. views of a prefix file), copied
+        into memory of its own, pinned if `pin`, for a layer on `device`."""
+        return cls(host_copy(records, pin, "YAKV store"), RowMap.identity(records.shape[0], device))
+
+    @classmethod
+    def concat(cls, stores: list[QuantizedKVStore], pin: bool) -> QuantizedKVStore:
+        """One store whose cache rows are those of `stores`, in order: `[sum B, Hkv, max N, E]`, pinned if `pin`.
+
+        Stores may hold different numbers of tokens (micro batches of one batch); the missing records are zeros, as
+        in a store quantised from the whole batch (nothing selects them, a whole-prompt step masks them).
+        """
+        widths = {s.data.shape[-1] for s in stores}
+        if len(widths) != 1:
+            raise ValueError(f"Cannot join YAKV stores of record sizes {sorted(widths)} (another host grid).")
+        first = stores[0].data
+        shape = (sum(len(s.stored_rows) for s in stores), first.shape[1], max(s.data.shape[2] for s in stores), *widths)
+        out = pinned_empty(shape, torch.uint8, "joined YAKV store") if pin else torch.empty(shape, dtype=torch.uint8)
+        row = 0
+        for store in stores:
+            held = store.data.shape[2]
+            for stored in store.row_map.tolist():  # row by row: no temporary copy of a whole part
+                out[row, :, :held] = store.data[stored]
+                out[row, :, held:] = 0  # pooled memory is uninitialised
+                row += 1
+        device = next((s.stored_rows.device for s in stores if s.stored_rows.device is not None), None)
+        return cls(out, RowMap.identity(shape[0], device))
 
     @property
     def nbytes(self) -> int:

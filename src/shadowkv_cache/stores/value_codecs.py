@@ -140,23 +140,11 @@ class Higgs4Codec(ValueCodec):
         return self._on_device[device]
 
     def identity(self) -> dict:
-        grid = [round(v, 6) for v in self.quantizer.grid.flatten().tolist()]
-        signs = "".join("1" if s < 0 else "0" for s in self.signs.tolist())
-        return {"name": self.name, "head_dim": self.head_dim, "grid_dim": self.GRID_DIM, "seed": self.SEED,
-                "signs": signs, "grid": grid}  # fmt: skip
+        return {"name": self.name, **self.quantizer.identity()}
 
     def matches(self, saved: dict) -> bool:
-        # The grid is a Lloyd fit in float32: other machines may round its last bits differently; another grid
-        # differs by far more than 1e-4.
-        mine = self.identity()
-        same = {k: v for k, v in saved.items() if k != "grid"} == {k: v for k, v in mine.items() if k != "grid"}
-        grid = saved.get("grid")
-        return (
-            same
-            and isinstance(grid, list)
-            and len(grid) == len(mine["grid"])
-            and all(isinstance(a, (int, float)) and abs(a - b) <= 1e-4 for a, b in zip(grid, mine["grid"]))
-        )
+        rest = {k: v for k, v in saved.items() if k != "name"}
+        return saved.get("name") == self.name and self.quantizer.matches(rest)
 
 
 _CODECS: dict[str, type[ValueCodec]] = {c.name: c for c in (NativeCodec, Fp8Codec, Higgs4Codec)}

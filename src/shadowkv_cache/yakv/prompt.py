@@ -11,12 +11,12 @@ so pads are never scored nor attended. Keys are stored after RoPE: nothing is re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.rows import local_window, share_rows, stored_once_nbytes, with_rows
+from ..core.rows import local_window, share_rows, stack_padded, stored_once_nbytes, with_rows
 from ..ops.quantize_higgs import quantize_vectors
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
@@ -71,6 +71,63 @@ class QuantizedPrompt:
         if self.is_one_document:
             return self.shared(len(index))
         return self._with_rows(lambda t: t[index], index)
+
+    def exact_rows(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor) -> QuantizedPrompt:
+        """Rows of this prompt's batch that stayed exact (shorter than `min_compress_len`), as `quantize_prompt` holds
+        such rows beside quantised ones: every real token in the right-aligned recent window, nothing quantised.
+
+        Args:
+            keys, values (`torch.Tensor`): `[B', Hkv, S, D]` the exact layer's post-RoPE keys and values.
+            real (`torch.Tensor`): `[B', S]` bool, True on real tokens (left padding).
+        """
+        batch, heads, slots, _ = keys.shape
+        lengths = real.sum(dim=-1).tolist()
+        local_keys, local_values, local_valid = local_window(keys, values, lengths)
+        budget = torch.zeros(batch, dtype=torch.int64)
+        return QuantizedPrompt(
+            policy_state={k: v.new_zeros((batch, heads, 0, *v.shape[3:])) for k, v in self.policy_state.items()},
+            real=torch.zeros((batch, 0), dtype=torch.bool, device=keys.device),
+            budget_tokens=budget.to(keys.device),
+            budget_host=budget,
+            local_keys=local_keys,
+            local_values=local_values,
+            local_valid=local_valid,
+            store=QuantizedKVStore(
+                self.store.data.new_zeros((batch, heads, 0, self.store.record_bytes)), torch.arange(batch)
+            ),
+            slots=slots,
+            max_budget_tokens=0,
+        )
+
+    @classmethod
+    def concat(cls, prompts: list[QuantizedPrompt], pin: bool) -> QuantizedPrompt:
+        """One prompt whose rows are those of `prompts` in order (micro batches of one batch, same `slots`).
+
+        Each field is padded to the largest size among the parts (quantised tokens `N`, recent window `W`) with
+        zeros and invalid slots, as `quantize_prompt` pads rows of one batch: the result equals quantising the whole
+        batch at once, but for the scoring codes of padded slots, which no step reads (they are not `real`). The
+        recent window is right-aligned, so it is padded on the left. Host records are joined into one store, pinned
+        if `pin`. Policy state tensors hold tokens on dim 2 (`[B, Hkv, N, ...]`).
+        """
+        first = prompts[0]
+        odd = next(
+            (p for p in prompts if (p.slots, sorted(p.policy_state)) != (first.slots, sorted(first.policy_state))), None
+        )
+        if odd is not None:
+            raise ValueError(
+                "QuantizedPrompt.concat needs prompts of one batch (same slots and policy state names); got "
+                f"{(first.slots, sorted(first.policy_state))} and {(odd.slots, sorted(odd.policy_state))}."
+            )
+        right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
+        changes = {
+            name: stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
+        }
+        changes["policy_state"] = {k: stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
+        changes["store"] = QuantizedKVStore.concat([p.store for p in prompts], pin)
+        changes["budget_host"] = torch.cat([p.budget_host for p in prompts])
+        changes["max_budget_tokens"] = max(p.max_budget_tokens for p in prompts)
+        kept = {f.name: getattr(first, f.name) for f in fields(first)}
+        return cls(**{**kept, **changes})
 
     def _with_rows(self, take, index: torch.Tensor) -> QuantizedPrompt:
         """A copy whose device tensors are `take(tensor)` and whose host parts are rows `index` (`[B']`)."""
