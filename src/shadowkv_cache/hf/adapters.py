@@ -129,10 +129,16 @@ class ModelRope:
         if all(t.device == device or t.is_meta for t in tables):
             return self.rotary_emb
         if device not in self._copies:
-            clone = copy.copy(self.rotary_emb)  # shares the config and the scalars; the tables are replaced
-            clone._buffers = {name: None if t is None else t.to(device) for name, t in self.rotary_emb._buffers.items()}
-            self._copies[device] = clone
+            self._copies[device] = rotary_on(self.rotary_emb, device)
         return self._copies[device]
+
+
+def rotary_on(rotary_emb: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of `rotary_emb` with its tables (buffers) on `device`; it shares the config and the scalars. Call it
+    through its class's `forward`: the copy carries the original's accelerate hook, which would move inputs back."""
+    clone = copy.copy(rotary_emb)
+    clone._buffers = {name: None if t is None else t.to(device) for name, t in rotary_emb._buffers.items()}
+    return clone
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
