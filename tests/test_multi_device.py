@@ -1,0 +1,193 @@
+"""A model split over devices by accelerate (design.md §11), on CUDA. Run with `pytest -m gpu`.
+
+Three placements of the tiny Llama and the tiny Gemma 3 (sliding and full-attention layers alternating):
+
+- `cuda+cpu`: decoder layers executed on `cuda:0` and on the CPU (`dispatch_model(..., main_device="cpu")`); the
+  CPU layers run the PyTorch twins while the GPU layers run the kernels and CUDA graphs.
+- `offload`: the same map with the GPU as main device, which is accelerate's CPU offload: the "cpu" layers keep
+  their weights in host memory and execute on `cuda:0`, so their keys and values, and their state, are on `cuda:0`.
+- `cuda0+cuda1` (two GPUs, skipped otherwise): layers on `cuda:0` and `cuda:1`, the rotary module on `cuda:0`.
+
+Invariants: full budget gives `DynamicCache`'s tokens on the same placement; each layer's state lives on the device
+its keys arrive on; `memory_report().per_device` groups the layers by that device. At a small budget a two-GPU split
+gives what the model on one GPU gives (the same kind of GPU runs the same kernels, so the same chunks are selected);
+a `cuda+cpu` split has no such reference (CPU layers round differently, and a top-k choice can turn on round-off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from accelerate import dispatch_model
+from helpers import (
+    GEMMA3,
+    assert_logits_close,
+    dynamic_cache,
+    full_budget_overrides,
+    generate_with,
+    make_tiny_model,
+    random_prompt,
+    small_budget_overrides,
+)
+from test_kernel_twins import random_scan_case
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.hf.layer import CompressedLayer
+from shadowkv_cache.ops.loader import kernels_available
+from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+ARCHS = ("llama", GEMMA3)
+NEW_TOKENS = 24  # past the first eager step of each layer, so that its CUDA graph is captured and replayed
+HOST = {"budget_host"}  # prompt fields kept on the host on purpose (byte counts without a synchronisation)
+
+
+def split_map(model: torch.nn.Module, first, second, rotary) -> dict:
+    """The first half of the decoder layers (and the embeddings) on `first`, the rest (and the head) on `second`."""
+    layers = len(model.model.layers)
+    device_map = {"model.embed_tokens": first, "model.rotary_emb": rotary, "model.norm": second, "lm_head": second}
+    device_map.update({f"model.layers.{i}": first if i < layers // 2 else second for i in range(layers)})
+    return device_map
+
+
+def placed(arch: str, placement: str) -> tuple[torch.nn.Module, dict[int, torch.device]]:
+    """A tiny model dispatched by accelerate, and the device each decoder layer's keys and values arrive on."""
+    model = make_tiny_model(arch)
+    layers = len(model.model.layers)
+    half = layers // 2
+    if placement == "cuda+cpu":  # the rotary module on the CPU: the GPU layers rebuild keys from a copy of it
+        model = dispatch_model(model, split_map(model, 0, "cpu", "cpu"), main_device="cpu")
+        return model, {i: torch.device("cuda", 0) if i < half else torch.device("cpu") for i in range(layers)}
+    if placement == "offload":
+        model = dispatch_model(model, split_map(model, 0, "cpu", 0))
+        return model, dict.fromkeys(range(layers), torch.device("cuda", 0))
+    model = dispatch_model(model, split_map(model, 0, 1, 0))
+    return model, {i: torch.device("cuda", 0 if i < half else 1) for i in range(layers)}
+
+
+PLACEMENTS = ["cuda+cpu", "offload", pytest.param("cuda0+cuda1", marks=two_gpus)]
+
+
+def assert_state_on(cache: ShadowKVCache, devices: dict[int, torch.device], graphs: bool) -> None:
+    """Every tensor a layer holds is on the device its keys arrive on (host values aside), and layers on a GPU
+    captured their decode step when `graphs`."""
+    for i, layer in enumerate(cache.layers):
+        device = devices[i]
+        assert layer.keys.device == device, i
+        if not isinstance(layer, CompressedLayer):
+            continue
+        assert layer.is_compressed, f"layer {i} was not compressed"
+        prompt = layer.prompt
+        tensors = {f.name: getattr(prompt, f.name) for f in dataclasses.fields(prompt)}
+        tensors.update({f"policy.{k}": v for k, v in prompt.policy_state.items()})
+        tensors.update({"new.keys": layer.new.keys, "new.valid": layer.new.valid})
+        if layer.mode.name == "shadowkv":
+            temporal = layer.mode.temporal
+            tensors.update(
+                {"temporal.ids": temporal.ids, "temporal.keys": temporal.keys, "temporal.hits": temporal.hits}
+            )
+            store = prompt.values
+        else:
+            store = prompt.store
+        wrong = {
+            name: t.device
+            for name, t in tensors.items()
+            if isinstance(t, torch.Tensor) and name not in HOST and t.device != device
+        }
+        assert not wrong, f"layer {i} on {device} holds {wrong}"
+        assert store.data.device.type == "cpu" and store.data.is_pinned() == (device.type == "cuda")
+        if store.stored_rows.device is not None:
+            assert store.stored_rows.device == device
+        assert (layer._graph is not None) == (graphs and device.type == "cuda"), i
+        if layer._graph is not None:
+            assert layer._graph.device == device and layer._graph.output.device == device
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_model_gives_dynamic_cache_tokens_at_full_budget(arch, placement):
+    model, devices = placed(arch, placement)
+    ids = random_prompt(301, seed=3)
+    ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+    cache = ShadowKVCache(model, **full_budget_overrides())
+    out = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, atol=1e-4)  # CUDA sums in another order than the CPU
+    assert_state_on(cache, devices, graphs=True)
+    compressed = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
+    assert all(int(layer.mode.temporal.lookups) > int(layer.mode.temporal.hits) for layer in compressed)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_split_model_in_yakv_mode_keeps_each_layers_state_on_its_device(placement):
+    model, devices = placed("llama", placement)
+    cache = ShadowKVCache(model, mode="yakv", min_compress_len=64, sparse_budget=32, recent_window=16)
+    out = generate_with(model, random_prompt(301, seed=4), cache, max_new_tokens=NEW_TOKENS)
+    assert out.sequences.shape[1] == 301 + NEW_TOKENS
+    assert_state_on(cache, devices, graphs=False)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_memory_report_per_device(arch, placement):
+    model, devices = placed(arch, placement)
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    generate_with(model, random_prompt(301, seed=5), cache, max_new_tokens=4)
+
+    report = cache.memory_report()
+    per_device = report.per_device
+    expected: dict[str, list[int]] = {}
+    for i, device in devices.items():
+        expected.setdefault(str(device), []).append(i)
+    assert {name: list(d.layers) for name, d in per_device.items()} == expected
+    assert sum(d.gpu_bytes for d in per_device.values()) == report.gpu_bytes
+    assert sum(d.host_bytes for d in per_device.values()) == report.host_bytes
+    assert sum(d.dynamic_cache_bytes for d in per_device.values()) == report.dynamic_cache_bytes
+    for name, d in per_device.items():
+        layers = [report.layers[i] for i in d.layers]
+        assert d.gpu_bytes == sum(m.gpu_bytes for m in layers) > 0
+        assert all(m.device == name for m in layers)
+    if len(per_device) > 1:
+        assert all(f"{name} (" in str(report) for name in per_device)
+
+
+@two_gpus
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_gpu_split_at_a_small_budget_equals_one_gpu(arch):
+    """The same kernels on the same kind of GPU: the split selects, rebuilds and fetches what one GPU does."""
+    one = make_tiny_model(arch).cuda()
+    ids = random_prompt(301, seed=6)
+    alone = generate_with(one, ids.cuda(), ShadowKVCache(one, **small_budget_overrides()), max_new_tokens=NEW_TOKENS)
+    model, devices = placed(arch, "cuda0+cuda1")
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    split = generate_with(model, ids.cuda(), cache, max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(split.sequences.cpu(), alone.sequences.cpu())
+    assert_logits_close([x.cpu() for x in split.logits], [x.cpu() for x in alone.logits], atol=1e-5)
+    assert_state_on(cache, devices, graphs=True)
+
+
+@two_gpus
+def test_kernel_launches_on_its_tensors_device_whatever_device_is_current():
+    """A module loaded for one GPU is not valid in the other's context (CUDA_ERROR_INVALID_HANDLE): each launch makes
+    its own device current."""
+    if not kernels_available(torch.device("cuda", 0)):
+        pytest.fail('cuda-python is missing: pip install "shadowkv-cache[cuda]" to test the kernels')
+    ids, wanted, valid = random_scan_case(3, 2, 51, 77, seed=0)
+    expected = temporal_scan_reference(ids, wanted, valid)
+    for current, target in ((0, 1), (1, 0), (1, 1), (0, 1)):
+        with torch.cuda.device(current):
+            got = temporal_scan(ids.to(f"cuda:{target}"), wanted.to(f"cuda:{target}"), valid.to(f"cuda:{target}"))
+        assert got[0].device == torch.device("cuda", target)
+        assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
