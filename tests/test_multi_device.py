@@ -37,6 +37,7 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
+from shadowkv_cache.testing import synthetic_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -191,3 +192,18 @@ def test_kernel_launches_on_its_tensors_device_whatever_device_is_current():
             got = temporal_scan(ids.to(f"cuda:{target}"), wanted.to(f"cuda:{target}"), valid.to(f"cuda:{target}"))
         assert got[0].device == torch.device("cuda", target)
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_synthetic_cache_fills_each_layer_on_its_device(placement):
+    """The speed benchmarks' synthetic caches (`--split`) follow the placement as a real prefill does."""
+    model, devices = placed("llama", placement)
+    cache = synthetic_cache(model, 2, 512, min_compress_len=64, sparse_budget=64, rank=8, hit_rate=0.5)
+    assert {name: list(d.layers) for name, d in cache.memory_report().per_device.items()} == {
+        str(device): [i for i in devices if devices[i] == device] for device in set(devices.values())
+    }
+    tokens = torch.zeros((2, 1), dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(4):  # eager, then captured, then replayed
+            tokens = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert_state_on(cache, devices, graphs=True)
