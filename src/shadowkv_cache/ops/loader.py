@@ -189,7 +189,8 @@ class Kernels:
 
     def set_max_dynamic_shared(self, name: str, nbytes: int) -> None:
         attr = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
+        with torch.cuda.device(self.device):
+            _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
 
     def launch(
         self,
