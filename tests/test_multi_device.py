@@ -207,3 +207,21 @@ def test_synthetic_cache_fills_each_layer_on_its_device(placement):
         for _ in range(4):  # eager, then captured, then replayed
             tokens = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert_state_on(cache, devices, graphs=True)
+
+
+@pytest.mark.parametrize("placement", ["cuda+cpu", pytest.param("cuda0+cuda1", marks=two_gpus)])
+def test_prefix_saved_on_one_gpu_loads_into_a_split_model(tmp_path, placement):
+    """A prefix file holds no devices: loaded into a split model, each layer goes to the device its keys arrive on,
+    and the document plus a question give DynamicCache's tokens at full budget."""
+    document, question = random_prompt(240, seed=7)[0], random_prompt(9, seed=8)[0]
+    one = make_tiny_model("llama").cuda()
+    ShadowKVCache.prefill(one, document.cuda(), **full_budget_overrides()).save_prefix(tmp_path / "doc.safetensors")
+    model, devices = placed("llama", placement)
+    loaded = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors")
+    ids = torch.cat([document, question])[None]
+    out = generate_with(model, ids, loaded, max_new_tokens=NEW_TOKENS)
+    ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, atol=1e-4)
+    assert_state_on(loaded, devices, graphs=True)
