@@ -49,9 +49,8 @@ def sync(device: torch.device) -> None:
 
 def free(device: torch.device) -> None:
     gc.collect()
-    for gpu in gpus(device):
-        with torch.cuda.device(gpu):
-            torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # every GPU's cached blocks
 
 
 def reset_peak(device: torch.device) -> None:

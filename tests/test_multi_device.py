@@ -27,6 +27,7 @@ from helpers import (
     dynamic_cache,
     full_budget_overrides,
     generate_with,
+    left_pad,
     make_tiny_model,
     random_prompt,
     small_budget_overrides,
@@ -225,3 +226,17 @@ def test_prefix_saved_on_one_gpu_loads_into_a_split_model(tmp_path, placement):
     assert torch.equal(out.sequences, ref.sequences)
     assert_logits_close(out.logits, ref.logits, atol=1e-4)
     assert_state_on(loaded, devices, graphs=True)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_micro_batched_prefill_of_a_split_model_gives_dynamic_cache_tokens(placement):
+    """`prefill_batch` joins the micro batches' layers on their own devices (pinned values for GPU layers)."""
+    model, devices = placed("llama", placement)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (300, 211, 140)])
+    cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=2, **full_budget_overrides())
+    out = generate_with(model, ids, cache, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    ref = generate_with(model, ids, dynamic_cache(model), attention_mask=mask, max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, atol=1e-4)
+    assert_state_on(cache, devices, graphs=True)
