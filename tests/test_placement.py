@@ -179,3 +179,14 @@ def test_rope_copy_for_another_device_gives_the_models_keys(arch):
     assert rope._module_on(torch.device("cpu")) is rotary  # on the module's own device: the module itself
     inv_freq = getattr(rotary, f"{layer_type[0]}_inv_freq" if layer_type else "inv_freq")
     torch.testing.assert_close(rope.inv_freq_on(torch.device("cpu")), inv_freq.float(), rtol=0, atol=0)
+
+
+def test_rope_tables_offloaded_by_accelerate_leave_the_kernel_path():
+    """Buffers accelerate offloads (`offload_buffers=True`) are on 'meta' between calls: the key rebuild then has no
+    in-kernel tables and calls the module, whose hook brings them."""
+    model = make_tiny_model("llama")
+    modeling = importlib.import_module(SUPPORTED_ARCHITECTURES["llama"])
+    apply = getattr(modeling.apply_rotary_pos_emb, "__shadowkv_original__", modeling.apply_rotary_pos_emb)
+    rope = ModelRope(model.model.rotary_emb.to("meta"), apply)
+    assert rope.inv_freq_on(torch.device("cpu")) is None
+    assert rope._module_on(torch.device("cpu")) is model.model.rotary_emb  # no copy of tables that are not there

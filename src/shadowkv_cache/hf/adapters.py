@@ -104,9 +104,12 @@ class ModelRope:
         return getattr(self.rotary_emb, f"{self._prefix}inv_freq", None)
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor | None:
-        """`[D/2]` float32 inverse frequencies on `device`, for the key-rebuild kernel (no copy per step)."""
+        """`[D/2]` float32 inverse frequencies on `device`, for the key-rebuild kernel (no copy per step); None when
+        the tables are not in memory (buffers offloaded by accelerate: the rebuild then calls the module)."""
         inv_freq = getattr(self._module_on(device), f"{self._prefix}inv_freq", None)
-        return None if inv_freq is None else inv_freq.to(device=device, dtype=torch.float32).contiguous()
+        if inv_freq is None or inv_freq.is_meta:
+            return None
+        return inv_freq.to(device=device, dtype=torch.float32).contiguous()
 
     @property
     def attention_scaling(self) -> float:
