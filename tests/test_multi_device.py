@@ -16,6 +16,7 @@ a `cuda+cpu` split has no such reference (CPU layers round differently, and a to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -35,6 +36,7 @@ from helpers import (
 from test_kernel_twins import random_scan_case
 
 from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.fidelity import natural_text_ids
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
@@ -64,7 +66,11 @@ def split_map(model: torch.nn.Module, first, second, rotary) -> dict:
 
 def placed(arch: str, placement: str) -> tuple[torch.nn.Module, dict[int, torch.device]]:
     """A tiny model dispatched by accelerate, and the device each decoder layer's keys and values arrive on."""
-    model = make_tiny_model(arch)
+    return place(make_tiny_model(arch), placement)
+
+
+def place(model: torch.nn.Module, placement: str) -> tuple[torch.nn.Module, dict[int, torch.device]]:
+    """`model` (on the CPU) dispatched by accelerate, and the device each decoder layer's keys arrive on."""
     layers = len(model.model.layers)
     half = layers // 2
     if placement == "cuda+cpu":  # the rotary module on the CPU: the GPU layers rebuild keys from a copy of it
@@ -239,4 +245,19 @@ def test_micro_batched_prefill_of_a_split_model_gives_dynamic_cache_tokens(place
 
     assert torch.equal(out.sequences, ref.sequences)
     assert_logits_close(out.logits, ref.logits, atol=1e-4)
+    assert_state_on(cache, devices, graphs=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["cuda+cpu", pytest.param("cuda0+cuda1", marks=two_gpus)])
+def test_smollm2_split_gives_dynamic_cache_tokens_at_full_budget(smollm2, placement):
+    """The real model (30 layers, fp32) split as `device_map="auto"` would, on natural text."""
+    model, devices = place(copy.deepcopy(smollm2[0]), placement)
+    ids = natural_text_ids(smollm2[1], 700)
+    ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+    cache = ShadowKVCache(model, **full_budget_overrides(rank=1.0))
+    out = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, rtol=1e-4, atol=1e-3)  # logits of ~20: fp32 round-off of two orders
     assert_state_on(cache, devices, graphs=True)
