@@ -190,3 +190,14 @@ def test_rope_tables_offloaded_by_accelerate_leave_the_kernel_path():
     rope = ModelRope(model.model.rotary_emb.to("meta"), apply)
     assert rope.inv_freq_on(torch.device("cpu")) is None
     assert rope._module_on(torch.device("cpu")) is model.model.rotary_emb  # no copy of tables that are not there
+
+
+def test_load_prefix_into_a_disk_offloaded_model_is_refused_before_reading(tmp_path):
+    model = make_tiny_model("llama")
+    document = ShadowKVCache.prefill(model, random_prompt(120)[0], **full_budget_overrides())
+    document.save_prefix(tmp_path / "d.safetensors")
+    offloaded = make_tiny_model("llama")
+    offloaded = dispatch_model(offloaded, device_map=layer_map(offloaded, {0: "disk"}), offload_dir=str(tmp_path / "o"))
+    with pytest.raises(PlacementError, match="offloaded to disk"):
+        ShadowKVCache.load_prefix(offloaded, tmp_path / "d.safetensors")
+    assert unpatched(offloaded)

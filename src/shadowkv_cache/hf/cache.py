@@ -276,6 +276,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
                 "use ShadowKVCache.prefill(model, ids, mode='yakv') and fork() in this process."
             )
         refuse_sliding_prefix(model, "load_prefix")
+        check_placement(model)  # before the file is read, as ShadowKVCache(model) would refuse it after
         state = prefix.read_prefix(model, path, config, policy or LandmarkTopK(), overrides, verify=verify, key=key)
         cache = cls(model, state.config, state.policy)
         for layer, (prompt, keys, values) in zip(cache.layers, state.layers):
