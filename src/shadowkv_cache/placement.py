@@ -55,10 +55,9 @@ def _device(value) -> torch.device | None:
     return torch.device(value)
 
 
-def _execution_device(model: nn.Module, name: str, module: nn.Module) -> torch.device:
-    """Where `module`'s keys are computed: the execution device of the nearest accelerate hook (on its `k_proj`,
-    itself or a parent), else the device of its `k_proj` weight."""
-    owners = dict(model.named_modules())
+def _execution_device(owners: dict[str, nn.Module], name: str, module: nn.Module) -> torch.device:
+    """Where `module` (named `name` among the model's modules `owners`) computes its keys: the execution device of
+    the nearest accelerate hook (on its `k_proj`, itself or a parent), else the device of its `k_proj` weight."""
     parts = name.split(".") if name else []
     chain = [module.k_proj, module] + [owners[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)]
     for owner in chain:
@@ -71,7 +70,8 @@ def _execution_device(model: nn.Module, name: str, module: nn.Module) -> torch.d
 
 def attention_devices(model: nn.Module) -> dict[int, torch.device]:
     """`{layer index: device}` where each layer's attention computes its keys and values (its execution device)."""
-    return {module.layer_idx: _execution_device(model, name, module) for name, module in _attention_modules(model)}
+    owners = dict(model.named_modules())
+    return {module.layer_idx: _execution_device(owners, name, module) for name, module in _attention_modules(model)}
 
 
 def _on_disk(hook) -> bool:
@@ -91,11 +91,12 @@ def check_placement(model: nn.Module) -> None:
     cache cannot serve it: offloaded to disk, or on "meta" without a hook that loads it. Changes nothing."""
     on_disk = [key for key, where in (getattr(model, "hf_device_map", None) or {}).items() if where == "disk"]
     disk, unloaded = [], []
+    owners = dict(model.named_modules())
     for name, module in _attention_modules(model):
         covered = any(key in ("", name) or name.startswith(key + ".") or key.startswith(name + ".") for key in on_disk)
         if covered or any(_on_disk(hook) for owner in module.modules() for hook in _hooks(owner)):
             disk.append(name)
-        elif _execution_device(model, name, module).type == "meta":
+        elif _execution_device(owners, name, module).type == "meta":
             unloaded.append(name)
     if disk:
         shown = ", ".join(disk[:4]) + (" ..." if len(disk) > 4 else "")
