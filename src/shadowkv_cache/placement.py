@@ -52,7 +52,10 @@ def _device(value) -> torch.device | None:
         return None
     if isinstance(value, int):  # accelerate names a GPU by its index
         return torch.device("cuda", value)
-    return torch.device(value)
+    device = torch.device(value)
+    if device.type == "cuda" and device.index is None:  # as the tensors will say: "cuda:<current>"
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _execution_device(owners: dict[str, nn.Module], name: str, module: nn.Module) -> torch.device:
