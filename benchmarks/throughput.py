@@ -25,8 +25,8 @@ ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x ful
 With `--split` accelerate dispatches the layers over all visible GPUs (`speed.split_map`, what `device_map="auto"`
 does to a model that outgrows one GPU); every cache keeps each layer on its layer's GPU (design.md §11), rows
 record the peak memory of each GPU (`peak_by_device`, and `peak_gpu_gib` the fullest) and the compressed caches'
-bytes per GPU (`gpu_gib_by_device`). The GPUs run one after the other: the second one adds memory (larger batches)
-and its own host link for its layers' value fetches, not compute in parallel.
+bytes per GPU (`gpu_gib_by_device`). The GPUs run one after the other: the second one adds memory (larger batches),
+not compute in parallel; each fetches its own layers' values over its own host link, but the links take turns.
 """
 
 from __future__ import annotations
