@@ -118,8 +118,8 @@ class ModelRope:
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         extra = (self.layer_type,) if self.layer_type else ()
         module = self._module_on(keys.device)
-        if module is self.rotary_emb:
-            cos, sin = module(keys, positions, *extra)
+        if module is self.rotary_emb:  # its hook may compute elsewhere when it brings offloaded tables (no-op else)
+            cos, sin = (t.to(keys.device) for t in module(keys, positions, *extra))
         else:  # the class's forward: a copy must not run the original's accelerate hook
             cos, sin = type(module).forward(module, keys, positions, *extra)
         _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
