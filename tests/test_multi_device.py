@@ -34,7 +34,10 @@ from helpers import (
     small_budget_overrides,
 )
 from test_kernel_twins import random_scan_case
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.model_shapes import LLAMA_3_1_8B
+from benchmarks.speed import split_map
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids
 from shadowkv_cache.hf.layer import CompressedLayer
@@ -56,7 +59,7 @@ NEW_TOKENS = 24  # past the first eager step of each layer, so that its CUDA gra
 HOST = {"budget_host"}  # prompt fields kept on the host on purpose (byte counts without a synchronisation)
 
 
-def split_map(model: torch.nn.Module, first, second, rotary) -> dict:
+def halves_map(model: torch.nn.Module, first, second, rotary) -> dict:
     """The first half of the decoder layers (and the embeddings) on `first`, the rest (and the head) on `second`."""
     layers = len(model.model.layers)
     device_map = {"model.embed_tokens": first, "model.rotary_emb": rotary, "model.norm": second, "lm_head": second}
@@ -74,12 +77,12 @@ def place(model: torch.nn.Module, placement: str) -> tuple[torch.nn.Module, dict
     layers = len(model.model.layers)
     half = layers // 2
     if placement == "cuda+cpu":  # the rotary module on the CPU: the GPU layers rebuild keys from a copy of it
-        model = dispatch_model(model, split_map(model, 0, "cpu", "cpu"), main_device="cpu")
+        model = dispatch_model(model, halves_map(model, 0, "cpu", "cpu"), main_device="cpu")
         return model, {i: torch.device("cuda", 0) if i < half else torch.device("cpu") for i in range(layers)}
     if placement == "offload":
-        model = dispatch_model(model, split_map(model, 0, "cpu", 0))
+        model = dispatch_model(model, halves_map(model, 0, "cpu", 0))
         return model, dict.fromkeys(range(layers), torch.device("cuda", 0))
-    model = dispatch_model(model, split_map(model, 0, 1, 0))
+    model = dispatch_model(model, halves_map(model, 0, 1, 0))
     return model, {i: torch.device("cuda", 0 if i < half else 1) for i in range(layers)}
 
 
@@ -261,3 +264,28 @@ def test_smollm2_split_gives_dynamic_cache_tokens_at_full_budget(smollm2, placem
     assert torch.equal(out.sequences, ref.sequences)
     assert_logits_close(out.logits, ref.logits, rtol=1e-4, atol=1e-3)  # logits of ~20: fp32 round-off of two orders
     assert_state_on(cache, devices, graphs=True)
+
+
+@pytest.mark.slow
+@two_gpus
+def test_llama_8b_shape_split_over_two_gpus_gives_dynamic_cache_tokens_at_full_budget():
+    """The Llama-3.1-8B shape (random fp32 weights, 32 GB) split over two GPUs as `device_map="auto"` would, at 2K
+    tokens: the shape whose first sparse step used to fail with CUDA_ERROR_INVALID_HANDLE on the second GPU."""
+    config = AutoConfig.for_model(
+        "llama", **LLAMA_3_1_8B, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda", 0):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    layers = config.num_hidden_layers
+    model = dispatch_model(model, split_map(layers, 2))
+    devices = {i: torch.device("cuda", i * 2 // layers) for i in range(layers)}
+    ids = random_prompt(2048, seed=9).cuda()
+    ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
+    cache = ShadowKVCache(model, **full_budget_overrides(rank=1.0))
+    out = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits, atol=1e-3)
+    assert_state_on(cache, devices, graphs=True)
+    assert set(cache.memory_report().per_device) == {"cuda:0", "cuda:1"}
