@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
 from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.placement import attention_devices
 from shadowkv_cache.testing import reset_hit_counts
 
 GiB = 2**30
@@ -31,25 +32,64 @@ def log(*args) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
 
 
+def gpus(device: torch.device) -> list[torch.device]:
+    """The GPUs a run on `device` uses: every visible one for `cuda` without an index (a model split over them with
+    `--split`; the others idle otherwise), the one named, or none off CUDA."""
+    if device.type != "cuda":
+        return []
+    if device.index is None:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [device]
+
+
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for gpu in gpus(device):
+        torch.cuda.synchronize(gpu)
 
 
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # every GPU's cached blocks
 
 
 def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    for gpu in gpus(device):
+        torch.cuda.reset_peak_memory_stats(gpu)
 
 
 def peak_gpu_gib(device: torch.device) -> float | None:
-    """Peak GPU memory allocated since the last `reset_peak`, GiB (None off CUDA)."""
-    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+    """Peak GPU memory allocated since the last `reset_peak`, GiB, on the fullest GPU (None off CUDA)."""
+    peaks = peak_gpu_gib_by_device(device)
+    return max(peaks.values()) if peaks else None
+
+
+def peak_gpu_gib_by_device(device: torch.device) -> dict[str, float]:
+    """`{gpu: peak GiB}` since the last `reset_peak`, for each GPU of the run."""
+    return {str(gpu): torch.cuda.max_memory_allocated(gpu) / GiB for gpu in gpus(device)}
+
+
+def peaks(device: torch.device) -> dict:
+    """A row's peak memory fields: `peak_gpu_gib` (the fullest GPU) and, with several GPUs, `peak_by_device`."""
+    by_device = peak_gpu_gib_by_device(device)
+    row = {"peak_gpu_gib": max(by_device.values()) if by_device else None}
+    if len(by_device) > 1:
+        row["peak_by_device"] = " / ".join(f"{gpu} {gib:.1f}" for gpu, gib in by_device.items())
+    return row
+
+
+def layer_devices(model) -> list[torch.device]:
+    """The device each decoder layer's keys and values arrive on (one per layer; several in a split model)."""
+    devices = attention_devices(model)
+    return [devices[i] for i in range(len(devices))]
+
+
+def split_map(num_layers: int, count: int) -> dict[str, int]:
+    """A device map that spreads the decoder layers evenly over GPUs `0..count-1` as `device_map="auto"` would (the
+    embeddings and the rotary module on the first, the final norm and the head on the last)."""
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": count - 1, "lm_head": count - 1}
+    device_map.update({f"model.layers.{i}": i * count // num_layers for i in range(num_layers)})
+    return device_map
 
 
 def host_rss() -> int:
@@ -63,13 +103,20 @@ def host_rss() -> int:
     return 0
 
 
-def build_model(small: bool, device: torch.device):
-    """Llama-3.1-8B shape (`TINY` if `small`), random weights made on `device`: bf16 on CUDA, fp32 elsewhere."""
+def build_model(small: bool, device: torch.device, split: bool = False):
+    """Llama-3.1-8B shape (`TINY` if `small`), random weights made on `device`: bf16 on CUDA, fp32 elsewhere.
+
+    `split`: made on the first GPU, then dispatched by accelerate over every visible GPU (`split_map`), as
+    `device_map="auto"` places a model that outgrows one GPU."""
     config = AutoConfig.for_model("llama", **(TINY if small else LLAMA_3_1_8B), tie_word_embeddings=False)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device(torch.device("cuda", 0) if split else device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if split:
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, split_map(config.num_hidden_layers, torch.cuda.device_count()))
     return model.eval()
 
 

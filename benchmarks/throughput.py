@@ -19,7 +19,14 @@ Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampl
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
     python -m benchmarks.throughput --device cuda        # the H200 run (about 8 minutes)
+    python -m benchmarks.throughput --split              # the model's layers spread over every visible GPU
     python -m benchmarks.throughput --small              # a tiny CPU run that checks the script
+
+With `--split` accelerate dispatches the layers over all visible GPUs (`speed.split_map`, what `device_map="auto"`
+does to a model that outgrows one GPU); every cache keeps each layer on its layer's GPU (design.md §11), rows
+record the peak memory of each GPU (`peak_by_device`, and `peak_gpu_gib` the fullest) and the compressed caches'
+bytes per GPU (`gpu_gib_by_device`). The GPUs run one after the other: the second one adds memory (larger batches),
+not compute in parallel; each fetches its own layers' values over its own host link, but the links take turns.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import warnings
 import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, results_dir
-from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, hbm_bandwidth, log
+from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, hbm_bandwidth, layer_devices, log
 from benchmarks.throughput_report import Recorder, add_summary, replot
 from benchmarks.throughput_sweeps import (
     Run,
@@ -48,6 +55,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--split", action="store_true", help="spread the layers over every visible GPU (device_map)")
     p.add_argument("--small", action="store_true", help="tiny model and contexts (checks the script on CPU)")
     p.add_argument("--contexts", default=None, help="comma-separated context lengths")
     p.add_argument("--batches", default="1,2,4,6,8,12,16,24,32,48,64")
@@ -74,6 +82,11 @@ def main() -> None:
         return
     args.extra_h = [None if x == "own" else float(x) for x in args.extra_h.split(",") if x]
     device = torch.device(args.device)
+    if args.split:
+        if not torch.cuda.is_available():
+            raise SystemExit("--split spreads the model over GPUs; this machine has none (drop --split).")
+        device = torch.device("cuda")  # no index: every visible GPU (benchmarks.speed.gpus)
+    count = torch.cuda.device_count() if args.split else 1
     contexts = [int(x) for x in (args.contexts or ("2048,4096" if args.small else "32768,65536,131072")).split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     if args.small:
@@ -85,14 +98,26 @@ def main() -> None:
         "real prefill at batch 1 per context; synthetic random K/V (Dynamic) and random compressed prompts (ShadowKV) for batch sweeps"  # noqa: E501
     )
     name = args.name or ("throughput_small" if args.small else f"throughput_{device.type}")
+    if args.split:
+        name = args.name or f"{name}_split{count}"
+        env.update(gpus=count, gpu_names=[torch.cuda.get_device_name(i) for i in range(count)])
     rec = Recorder(name, env)
+    if args.split:  # per-GPU figures in the Markdown table too
+        rec.COLUMNS = [*rec.COLUMNS[:-1], "peak_by_device", "gpu_gib_by_device", rec.COLUMNS[-1]]
     log("ENV", env)  # the log alone then holds the whole record
 
     log("building model", "tiny" if args.small else "Llama-3.1-8B shape", "on", device)
-    model = build_model(args.small, device)
+    model = build_model(args.small, device, split=args.split)
+    if args.split:
+        placed = {}
+        for layer, on in enumerate(layer_devices(model)):
+            placed.setdefault(str(on), []).append(layer)
+        env["layers_by_device"] = {on: f"{layers[0]}-{layers[-1]}" for on, layers in placed.items()}
+        log("layers by device:", env["layers_by_device"])
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     hbm_bw = hbm_bandwidth(device)
-    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    # A split run's full-attention sweep may fill every GPU: their memory adds up.
+    gpu = count * torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     env.update(hbm_copy_bandwidth_GBps=round(hbm_bw / 1e9, 1), weight_gib=round(weights / GiB, 2),
                gpu_memory_gib=round(gpu / GiB, 1) if gpu else None, shadowkv_config=str(config))  # fmt: skip
     log(f"weights {weights / GiB:.1f} GiB, HBM copy {hbm_bw / 1e9:.0f} GB/s")

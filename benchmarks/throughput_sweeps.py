@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_bound, yakv_bound
 from benchmarks.fills import fill_dynamic, fill_static
-from benchmarks.speed import GiB, decode, free, hit_rate, log, peak_gpu_gib, reset_peak, sync
+from benchmarks.speed import GiB, decode, free, hit_rate, log, peaks, reset_peak, sync
 from benchmarks.throughput_report import Recorder
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
@@ -45,6 +45,11 @@ class Run:
     @property
     def methods(self) -> list[str]:
         return self.args.methods.split(",")
+
+
+def gpu_gib_by_device(report) -> str:
+    """A cache's device GiB on each device its layers use (several in a model split over GPUs)."""
+    return " / ".join(f"{d.device} {d.gpu_bytes / GiB:.2f}" for d in report.per_device.values())
 
 
 def prefill_runs(run: Run) -> None:
@@ -77,10 +82,10 @@ def prefill_runs(run: Run) -> None:
                 step = decode(model, cache, 1, 0, steps, device)
                 report = cache.memory_report()
                 row.update(step_ms=step * 1e3, tok_s=1 / step, hit_rate=report.hit_rate, note=f"{steps} steps, own selection",  # noqa: E501
-                           gpu_bytes_per_seq_gib=report.gpu_bytes / GiB,
+                           gpu_bytes_per_seq_gib=report.gpu_bytes / GiB, gpu_gib_by_device=gpu_gib_by_device(report),
                            full_kv_per_seq_gib=(length + steps) * kv_bytes_per_token(cfg) / GiB)  # fmt: skip
             if device.type == "cuda":
-                row["peak_gpu_gib"] = peak_gpu_gib(device)
+                row.update(peaks(device))
             run.rec.add(row)
             del cache
             free(device)
@@ -111,9 +116,9 @@ def full_attention_sweeps(run: Run) -> None:
                     free(device)
                     reset_peak(device)
                     if method == "dynamic":
-                        cache = fill_dynamic(model, batch, length, device)
+                        cache = fill_dynamic(model, batch, length)
                     else:
-                        cache = fill_static(model, batch, length, device, args.warm + args.steps + 1)
+                        cache = fill_static(model, batch, length, args.warm + args.steps + 1)
                     step = decode(model, cache, batch, args.warm, args.steps, device)
                 except torch.OutOfMemoryError:
                     log(f"{method} {length} batch {batch}: out of GPU memory")
@@ -127,7 +132,7 @@ def full_attention_sweeps(run: Run) -> None:
                     free(device)
                     break
                 row = dict(context=length, method=method, fill="synthetic", batch=batch, tok_s=batch / step,
-                           step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                           step_ms=step * 1e3, **peaks(device),
                            gpu_bytes_per_seq_gib=length * kv / GiB)  # fmt: skip
                 run.rec.add(row)
                 del cache
@@ -204,7 +209,7 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
                 row = dict(context=length, method="shadowkv", value_format=value_format, fill="synthetic",
                            batch=batch, h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step,
-                           step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                           step_ms=step * 1e3, **peaks(device),
                            host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
                            hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9)  # fmt: skip
                 run.rec.add(row)
@@ -242,7 +247,7 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 break
             bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, run.weights, run.hbm_bw)
             run.rec.add(dict(context=length, method="yakv", value_format="higgs4 k+v", fill="synthetic", batch=batch,
-                             tok_s=batch / step, step_ms=step * 1e3, peak_gpu_gib=peak_gpu_gib(device),
+                             tok_s=batch / step, step_ms=step * 1e3, **peaks(device),
                              host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
                              hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
             del cache

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .hf.cache import ShadowKVCache
     from .hf.state import CacheInUseError, CacheStateError
     from .memory_report import MemoryReport
+    from .placement import PlacementError
     from .policies import LandmarkTopK, SelectionPolicy
     from .prefix import PrefixCacheError
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "CacheStateError": ".hf.state",
     "LandmarkTopK": ".policies",
     "MemoryReport": ".memory_report",
+    "PlacementError": ".placement",
     "PrefixCacheError": ".prefix",
     "SelectionPolicy": ".policies",
     "ShadowKVCache": ".hf.cache",
@@ -41,6 +43,7 @@ __all__ = [
     "CacheStateError",
     "LandmarkTopK",
     "MemoryReport",
+    "PlacementError",
     "PrefixCacheError",
     "SelectionPolicy",
     "ShadowKVCache",

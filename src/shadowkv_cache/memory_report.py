@@ -1,10 +1,10 @@
-"""What a ShadowKV cache holds, per layer and in total, against what `DynamicCache` would hold."""
+"""What a ShadowKV cache holds, per layer, per device and in total, against what `DynamicCache` would hold."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LayerMemory", "MemoryReport"]
+__all__ = ["DeviceMemory", "LayerMemory", "MemoryReport"]
 
 
 @dataclass(frozen=True)
@@ -15,19 +15,34 @@ class LayerMemory:
     tokens exactly (a prompt shorter than `min_compress_len`, or nothing yet), `"sliding"` for a sliding-window layer.
     `rank` is the rank of the key factors (ShadowKV; with `rank="auto"` the largest rank any row chose) and
     `budget_tokens` the tokens selected per KV head and step (the largest over rows); None where they do not apply.
+    `device` is where the layer's keys and values are (e.g. `"cuda:1"` in a model split over GPUs), None while it
+    holds nothing.
     """
 
     layer: int
     mode: str
-    gpu_bytes: int  # on the model's device (the accelerator when there is one)
+    gpu_bytes: int  # on the layer's device (the accelerator when there is one)
     host_bytes: int
     dynamic_cache_bytes: int  # full K/V of the same tokens
     rank: int | None = None
     budget_tokens: int | None = None
+    device: str | None = None
 
     @property
     def compressed(self) -> bool:
         return self.mode in ("shadowkv", "yakv")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The layers on one device and what they hold: `gpu_bytes` on that device, `host_bytes` in host memory for them
+    (pinned, when the device is a GPU), `dynamic_cache_bytes` what `DynamicCache` would hold on that device."""
+
+    device: str
+    layers: tuple[int, ...]
+    gpu_bytes: int
+    host_bytes: int
+    dynamic_cache_bytes: int
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,25 @@ class MemoryReport:
     def ratio(self) -> float:
         return self.gpu_bytes / self.dynamic_cache_bytes if self.dynamic_cache_bytes else 1.0
 
+    @property
+    def per_device(self) -> dict[str, DeviceMemory]:
+        """`{device: DeviceMemory}` over the layers that hold something, in the order of their first layer (a model
+        split over GPUs by accelerate, design.md §11; one entry otherwise)."""
+        groups: dict[str, list[LayerMemory]] = {}
+        for m in self.layers:
+            if m.device is not None:
+                groups.setdefault(m.device, []).append(m)
+        return {
+            device: DeviceMemory(
+                device,
+                tuple(m.layer for m in group),
+                sum(m.gpu_bytes for m in group),
+                sum(m.host_bytes for m in group),
+                sum(m.dynamic_cache_bytes for m in group),
+            )
+            for device, group in groups.items()
+        }
+
     def __str__(self) -> str:
         mib = 2**20
         lines = [
@@ -71,5 +105,13 @@ class MemoryReport:
             f"{'total':>5} {'':>9} {'':>5} {'':>7} {self.gpu_bytes / mib:>11.2f} {self.host_bytes / mib:>9.2f} "
             f"{self.dynamic_cache_bytes / mib:>17.2f}"
         )
+        devices = self.per_device
+        if len(devices) > 1:  # one line per device of a split model
+            for d in devices.values():
+                name = f"{d.device} ({len(d.layers)} layers)"
+                lines.append(
+                    f"{name:>29} {d.gpu_bytes / mib:>11.2f} {d.host_bytes / mib:>9.2f} "
+                    f"{d.dynamic_cache_bytes / mib:>17.2f}"
+                )
         lines.append(f"device bytes / DynamicCache bytes = {self.ratio:.3f}; temporal-cache hit rate = {hit}")
         return "\n".join(lines)

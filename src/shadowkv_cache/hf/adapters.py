@@ -80,20 +80,36 @@ class ModelAdapter:
 
 
 class ModelRope:
-    """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way.
+    """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way, on the keys'
+    device.
 
-    `inv_freq` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE in-kernel
-    (Llama-3 / YaRN scaling is already folded into them). `layer_type` names the table of a rotary module that
-    keeps one per layer type (Gemma 3's `Gemma3RotaryEmbedding`); `None` for the usual single table.
+    `inv_freq_on(device)` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE
+    in-kernel (Llama-3 / YaRN scaling is already folded into them). `layer_type` names the table of a rotary module
+    that keeps one per layer type (Gemma 3's `Gemma3RotaryEmbedding`); `None` for the usual single table.
+
+    A model split over devices (design.md §11) keeps its one rotary module on one of them, behind an accelerate hook
+    that moves every input there; a layer elsewhere would then copy its keys over and back at every step. So a layer
+    on another device gets a copy of the rotary module whose tables live on its device (made once; the module's own
+    forward, called without the hook), and no step crosses devices.
     """
 
     def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable, layer_type: str | None = None):
         self.rotary_emb, self.apply_rotary, self.layer_type = rotary_emb, apply_rotary, layer_type
         self._prefix = f"{layer_type}_" if layer_type else ""
+        self._copies: dict[torch.device, nn.Module] = {}
 
     @property
     def inv_freq(self) -> torch.Tensor | None:
+        """The rotary module's own `[D/2]` inverse frequencies (on its device)."""
         return getattr(self.rotary_emb, f"{self._prefix}inv_freq", None)
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor | None:
+        """`[D/2]` float32 inverse frequencies on `device`, for the key-rebuild kernel (no copy per step); None when
+        the tables are not in memory (buffers offloaded by accelerate: the rebuild then calls the module)."""
+        inv_freq = getattr(self._module_on(device), f"{self._prefix}inv_freq", None)
+        if inv_freq is None or inv_freq.is_meta:
+            return None
+        return inv_freq.to(device=device, dtype=torch.float32).contiguous()
 
     @property
     def attention_scaling(self) -> float:
@@ -101,9 +117,31 @@ class ModelRope:
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         extra = (self.layer_type,) if self.layer_type else ()
-        cos, sin = self.rotary_emb(keys, positions, *extra)
+        module = self._module_on(keys.device)
+        if module is self.rotary_emb:  # its hook may compute elsewhere when it brings offloaded tables (no-op else)
+            cos, sin = (t.to(keys.device) for t in module(keys, positions, *extra))
+        else:  # the class's forward: a copy must not run the original's accelerate hook
+            cos, sin = type(module).forward(module, keys, positions, *extra)
         _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
         return rotated[:, 0]
+
+    def _module_on(self, device: torch.device) -> nn.Module:
+        """The rotary module if its tables are on `device` (or not in memory: an offloading hook brings them), else
+        its copy on `device`."""
+        tables = list(self.rotary_emb.buffers())
+        if all(t.device == device or t.is_meta for t in tables):
+            return self.rotary_emb
+        if device not in self._copies:
+            self._copies[device] = rotary_on(self.rotary_emb, device)
+        return self._copies[device]
+
+
+def rotary_on(rotary_emb: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of `rotary_emb` with its tables (buffers) on `device`; it shares the config and the scalars. Call it
+    through its class's `forward`: the copy carries the original's accelerate hook, which would move inputs back."""
+    clone = copy.copy(rotary_emb)
+    clone._buffers = {name: None if t is None else t.to(device) for name, t in rotary_emb._buffers.items()}
+    return clone
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()

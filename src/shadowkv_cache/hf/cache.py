@@ -16,6 +16,7 @@ from .. import prefix
 from ..config import ShadowKVConfig
 from ..memory_report import LayerMemory, MemoryReport
 from ..notices import Notices
+from ..placement import check_placement
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.mode import ShadowKVMode
 from ..stores.value_codecs import check_value_format
@@ -90,6 +91,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
                 "such as sparse_budget=1024."
             )
         check_supported(model)
+        check_placement(model)  # a layer on disk or "meta" (design.md §11)
         text_config = model.config.get_text_config()
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
@@ -261,6 +263,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         saved with (`save_prefix(..., key=...)`); `policy` defaults to the mode's own.
         """
         windows = sliding_windows(model.config.get_text_config())  # unknown layer types raise here
+        check_placement(model)  # before the file is read, as ShadowKVCache(model) would refuse it after
         state = prefix.read_prefix(
             model, path, config, policy, _default_policy, overrides, windows, verify=verify, key=key
         )
@@ -318,7 +321,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._prefix_checked = True
 
     def memory_report(self) -> MemoryReport:
-        """Device and host bytes per layer and in total, the ratio to `DynamicCache`, and the hit rate so far."""
+        """Device and host bytes per layer, per device (`per_device`) and in total, the ratio to `DynamicCache`, and the
+        hit rate so far."""
         per_layer, hits, lookups = [], 0, 0
         for i, layer in enumerate(self.layers):
             device, host, full = layer.nbytes()
@@ -327,7 +331,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
                 rank, budget = layer.mode.sizes() if layer.is_compressed else (None, None)
             else:
                 mode, rank, budget = "sliding", None, None
-            per_layer.append(LayerMemory(i, mode, device, host, full, rank, budget))
+            where = str(layer.keys.device) if layer.is_initialized else None
+            per_layer.append(LayerMemory(i, mode, device, host, full, rank, budget, where))
             counts = layer.hit_counts() if isinstance(layer, CompressedLayer) else None
             if counts is not None:
                 hits, lookups = hits + counts[0], lookups + counts[1]

@@ -23,6 +23,7 @@ from ..notices import logger
 __all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none"]
 
 _LAST: dict[int, weakref.ref] = {}
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 class GraphSwitch:
@@ -53,6 +54,15 @@ def _pool(device: torch.device) -> tuple:
     return graph.graph.pool() if graph is not None else torch.cuda.graph_pool_handle()
 
 
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    """One capture stream per device. `torch.cuda.graph`'s default is one stream for the whole process, made on the
+    device current at the first capture: a layer on another GPU (a split model, design.md §11) would launch its work
+    on its own device's streams, outside the capture."""
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
+
 class DecodeGraph:
     """`step(query)` captured for one `key`; call it with a query `[B, Hq, 1, D]` of the captured shape.
 
@@ -64,18 +74,26 @@ class DecodeGraph:
 
     def __init__(self, step: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: Hashable):
         self.key = key
+        self.device = query.device
         self.query = query.clone()
         self.graph = torch.cuda.CUDAGraph()
-        # "thread_local": the capture does not forbid what other threads do (a data loader, a tokenizer).
-        with torch.cuda.graph(self.graph, pool=_pool(query.device), capture_error_mode="thread_local"):
-            self.output = step(self.query)
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        # The query's device is made current: the capture, its pool and the kernels' contexts are that device's.
+        # "thread_local": the capture does not forbid what other threads do (a data loader, a tokenizer).
+        with (
+            torch.cuda.device(index),
+            torch.cuda.graph(
+                self.graph, pool=_pool(query.device), stream=_capture_stream(index), capture_error_mode="thread_local"
+            ),
+        ):
+            self.output = step(self.query)
         _LAST[index] = weakref.ref(self)
 
     def __call__(self, query: torch.Tensor) -> torch.Tensor:
         """The step's output for `query`; valid until the next replay of this graph (the next decode step)."""
         self.query.copy_(query)
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # replayed on the current stream of the graph's own device
+            self.graph.replay()
         return self.output
 
 

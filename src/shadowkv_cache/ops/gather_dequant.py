@@ -72,7 +72,7 @@ def gather_dequant(
         return keys, values
     data = store.data
     record = data.shape[-1]
-    host = store.device_pointer()
+    host = store.device_pointer(ids.device)
     row_stride, head_stride = data.stride(0), data.stride(1)  # bytes: uint8
     grid, signs = quantizer.device_tables(ids.device)
     per_lane = max(1, dim // 32)

@@ -52,7 +52,7 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     data = store.data
     item = data.element_size()
     chunk_bytes = c * data.shape[-1] * item
-    host = store.device_pointer()
+    host = store.device_pointer(values.device)
     row_stride, head_stride = data.stride(0) * item, data.stride(1) * item
     common = [
         values,
@@ -85,7 +85,7 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     vec16 = all(x % 16 == 0 for x in aligned)
     args = [
         *common,
-        (store.scales_pointer(), ctypes.c_void_p),
+        (store.scales_pointer(values.device), ctypes.c_void_p),
         (scales.stride(0) * scale_item, ctypes.c_longlong),
         (scales.stride(1) * scale_item, ctypes.c_longlong),
         (c, ctypes.c_int),

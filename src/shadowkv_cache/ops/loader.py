@@ -6,7 +6,9 @@ a hash of the sources (the `.cu` and every `.cuh` it may include):
 `~/.cache/shadowkv_cache/kernels/<stem>-<version>-<arch>-<hash>.cubin` (`SHADOWKV_CACHE_DIR` or
 `XDG_CACHE_HOME` move it). `SHADOWKV_NO_COMPILE=1` forbids compiling: a missing cubin is then an error.
 
-Kernels are launched with `cuLaunchKernel` on PyTorch's current stream, with tensors passed by `data_ptr()`.
+Kernels are launched with `cuLaunchKernel` on PyTorch's current stream of the tensors' device, with that device's
+context current, and tensors passed by `data_ptr()`; each device loads its own module (a module is valid in one
+context only).
 Sources are found in `shadowkv_cache/kernels/` (a link to the repository's `kernels/` folder in a checkout,
 a copy in an installed wheel). Needs `cuda-python` (`pip install "shadowkv-cache[cuda]"`).
 """
@@ -165,7 +167,7 @@ def _device_arch(device: torch.device) -> str:
 
 
 class Kernels:
-    """The functions of one compiled source on one device; `launch` runs one on the current stream."""
+    """The functions of one compiled source on one device; `launch` runs one on that device's current stream."""
 
     def __init__(self, stem: str, device: torch.device):
         driver, _ = _cuda_bindings()
@@ -187,7 +189,8 @@ class Kernels:
 
     def set_max_dynamic_shared(self, name: str, nbytes: int) -> None:
         attr = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
+        with torch.cuda.device(self.device):
+            _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
 
     def launch(
         self,
@@ -208,13 +211,17 @@ class Kernels:
                 value, ctype = arg
                 values.append(ctype(value))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        _check(
-            self._driver.cuLaunchKernel(
-                self.function(name), *grid, *block, shared_bytes, stream, ctypes.addressof(pointers), 0
-            ),
-            f"cuLaunchKernel({self.stem}.{name})",
-        )
+        # The module belongs to this device's context, which must be current: PyTorch restores the previous device
+        # after each op, so with a model split over GPUs (design.md §11) another GPU's context is often current here,
+        # and the launch would fail with CUDA_ERROR_INVALID_HANDLE.
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            _check(
+                self._driver.cuLaunchKernel(
+                    self.function(name), *grid, *block, shared_bytes, stream, ctypes.addressof(pointers), 0
+                ),
+                f"cuLaunchKernel({self.stem}.{name})",
+            )
 
 
 def _ensure_context(driver, device: torch.device) -> None:
@@ -264,11 +271,14 @@ def kernels_available(device: torch.device) -> bool:
     return True
 
 
-def host_device_pointer(tensor: torch.Tensor) -> int:
-    """The device-visible address of pinned host `tensor`'s first element (`cuMemHostGetDevicePointer`).
+def host_device_pointer(tensor: torch.Tensor, device: torch.device) -> int:
+    """The address at which `device` reads pinned host `tensor`'s first element (`cuMemHostGetDevicePointer`).
 
-    With unified addressing on x86-64 it equals the host address; asking the driver also covers systems
-    where registered memory is mapped elsewhere. Callers cache it per tensor.
+    With unified addressing on x86-64 it equals the host address on every GPU (the pool pins memory as portable);
+    asking the driver, in `device`'s context, also covers systems where registered memory is mapped elsewhere.
+    Callers cache it per tensor and device.
     """
     driver, _ = _cuda_bindings()
-    return int(_check(driver.cuMemHostGetDevicePointer(tensor.data_ptr(), 0), "cuMemHostGetDevicePointer (pinned?)"))
+    with torch.cuda.device(device):
+        pointer = driver.cuMemHostGetDevicePointer(tensor.data_ptr(), 0)
+    return int(_check(pointer, "cuMemHostGetDevicePointer (pinned?)"))

@@ -20,8 +20,9 @@ from .loader import kernels_available, load_kernels
 
 __all__ = ["RopeFn", "rebuild_keys", "rebuild_missed_keys"]
 
-# (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D]. The kernel path also needs the
-# attributes `inv_freq` ([D/2] fp32) and `attention_scaling` (float) of a rotate-half RoPE (see adapters).
+# (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D], on the keys' device. The kernel path also
+# needs `inv_freq_on(device)` ([D/2] fp32 on that device) and `attention_scaling` (float) of a rotate-half RoPE (see
+# hf/adapters.py's `ModelRope`).
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -73,7 +74,8 @@ def rebuild_missed_keys(
     batch, heads, num_slots, c, dim = keys.shape
     if not num_slots or not batch:
         return
-    inv_freq = getattr(rope, "inv_freq", None)
+    inv_freq_on = getattr(rope, "inv_freq_on", None)
+    inv_freq = inv_freq_on(keys.device) if inv_freq_on is not None else None
     if (
         kernels_available(keys.device)
         and inv_freq is not None
@@ -132,7 +134,7 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> No
             miss.contiguous(),
             positions,
             (positions.stride(0), ctypes.c_longlong),
-            inv_freq.to(device=keys.device, dtype=torch.float32).contiguous(),
+            inv_freq,
             (attention_scaling, ctypes.c_float),
             (heads, i32),
             (num_slots, i32),

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..placement import attention_devices
 from .errors import PrefixCacheError
 
 __all__ = [
@@ -148,6 +149,13 @@ def model_identity(model: nn.Module) -> dict:
     are not seen: call `forget_model_identity(model)` after such a write.
     """
     weights = identity_weights(model)
+    offloaded = [name for name, param in weights if param.is_meta]
+    if offloaded:  # accelerate keeps offloaded weights elsewhere and puts them in place only during a forward
+        raise PrefixCacheError(
+            f"A prefix file identifies its model by the weights, but {len(offloaded)} of them ({offloaded[0]}, ...) "
+            "are not in memory (on 'meta': offloaded by accelerate). Save and load prefixes with every decoder layer "
+            "placed on a GPU or the CPU (design.md §11)."
+        )
     state = _weights_state(weights)
     with _IDENTITIES_LOCK:
         kept = _IDENTITIES.get(model)
@@ -184,8 +192,8 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:
-    """The dtype keys and values come in (that of the first layer's `k_proj`), and the device of each layer's
-    attention."""
+    """The dtype keys and values come in (that of the first layer's `k_proj`), and the device each layer's attention
+    runs on (its execution device where accelerate places or offloads it, design.md §11)."""
     weights = {}
     for module in model.modules():
         if hasattr(module, "layer_idx") and isinstance(getattr(module, "k_proj", None), nn.Module):
@@ -193,5 +201,6 @@ def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype
     if not weights:
         raise PrefixCacheError(f"{type(model).__name__} has no k_proj weights to take the keys' dtype from.")
     dtype = weights[min(weights)].dtype
-    fallback = next(iter(weights.values())).device
-    return dtype, [weights[i].device if i in weights else fallback for i in range(num_layers)]
+    devices = attention_devices(model)
+    fallback = devices[min(devices)]
+    return dtype, [devices.get(i, fallback) for i in range(num_layers)]

@@ -27,7 +27,8 @@ _ALIGN = 2 << 20
 
 
 def _cuda_register(tensor: torch.Tensor) -> None:
-    err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 3))  # portable | mapped
+    # portable | mapped: every GPU's context may read it in place (a model split over GPUs, design.md §11).
+    err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 3))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister failed with CUDA error {err}")
 

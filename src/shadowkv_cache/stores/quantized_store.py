@@ -68,7 +68,7 @@ class QuantizedKVStore:
             )
         self.data = data
         self.stored_rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
-        self._device_pointer: int | None = None
+        self._pointers: dict[torch.device, int] = {}  # where each device reads `data`
 
     @classmethod
     def offload(cls, records: torch.Tensor, pin: bool) -> QuantizedKVStore:
@@ -114,13 +114,13 @@ class QuantizedKVStore:
         """E: bytes moved per fetched (row, head, token)."""
         return self.data.shape[-1]
 
-    def device_pointer(self) -> int:
-        """The device-visible address of the pinned `data` (for the zero-copy kernel; needs cuda-python)."""
-        if self._device_pointer is None:
+    def device_pointer(self, device: torch.device) -> int:
+        """The address at which `device` reads the pinned `data` (for the zero-copy kernel; needs cuda-python)."""
+        if device not in self._pointers:
             from ..ops.loader import host_device_pointer
 
-            self._device_pointer = host_device_pointer(self.data)
-        return self._device_pointer
+            self._pointers[device] = host_device_pointer(self.data, device)
+        return self._pointers[device]
 
     @property
     def row_map(self) -> torch.Tensor:
@@ -134,7 +134,7 @@ class QuantizedKVStore:
     def select_rows(self, index: torch.Tensor) -> QuantizedKVStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
         out = QuantizedKVStore(self.data, self.stored_rows.select(index))
-        out._device_pointer = self._device_pointer
+        out._pointers = self._pointers  # the same host memory
         return out
 
     def rows(self, count: int) -> torch.Tensor:

@@ -46,8 +46,7 @@ class HostValueStore:
             raise ValueError(f"The {codec.name} value format {'needs' if scales is None else 'has no'} scales.")
         self.data, self.scales, self.codec = data, scales, codec
         self.stored_rows = row_map if isinstance(row_map, RowMap) else RowMap(row_map)
-        self._device_pointer: int | None = None
-        self._scales_pointer: int | None = None
+        self._pointers: dict[tuple[str, torch.device], int] = {}  # ("data" or "scales", device) -> address
 
     @classmethod
     def offload(cls, values: torch.Tensor, pin: bool, value_format: str = "native") -> HostValueStore:
@@ -130,21 +129,21 @@ class HostValueStore:
         scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
         return self.data.numel() * self.data.element_size() + scales
 
-    def device_pointer(self) -> int:
-        """The device-visible address of the pinned `data` (for zero-copy kernels; needs cuda-python)."""
-        if self._device_pointer is None:
+    def device_pointer(self, device: torch.device) -> int:
+        """The address at which `device` reads the pinned `data` (for zero-copy kernels; needs cuda-python)."""
+        return self._pointer("data", device)
+
+    def scales_pointer(self, device: torch.device) -> int:
+        """The address at which `device` reads the pinned `scales`."""
+        return self._pointer("scales", device)
+
+    def _pointer(self, name: str, device: torch.device) -> int:
+        key = (name, device)
+        if key not in self._pointers:
             from ..ops.loader import host_device_pointer
 
-            self._device_pointer = host_device_pointer(self.data)
-        return self._device_pointer
-
-    def scales_pointer(self) -> int:
-        """The device-visible address of the pinned `scales`."""
-        if self._scales_pointer is None:
-            from ..ops.loader import host_device_pointer
-
-            self._scales_pointer = host_device_pointer(self.scales)
-        return self._scales_pointer
+            self._pointers[key] = host_device_pointer(getattr(self, name), device)
+        return self._pointers[key]
 
     @property
     def row_map(self) -> torch.Tensor:
@@ -158,7 +157,7 @@ class HostValueStore:
     def select_rows(self, index: torch.Tensor) -> HostValueStore:
         """A store whose cache rows are `index` (`[B']`) of this one's; shares the host data."""
         out = HostValueStore(self.data, self.stored_rows.select(index), self.scales, self.codec)
-        out._device_pointer, out._scales_pointer = self._device_pointer, self._scales_pointer
+        out._pointers = self._pointers  # the same host memory
         return out
 
     def gather(

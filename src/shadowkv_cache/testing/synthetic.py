@@ -23,6 +23,7 @@ import torch
 from ..config import ResolvedSizes, ShadowKVConfig
 from ..hf.cache import ShadowKVCache
 from ..hf.layer import CompressedLayer
+from ..placement import attention_devices
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
 from ..stores.pinned_pool import pinned_pool
@@ -101,7 +102,8 @@ def synthetic_cache(
     `memory_report()` counts exactly these tensors (`layer_sizes(...).host_bytes_per_row` per stored row).
 
     Args:
-        model: a supported causal LM without sliding-window layers; its device and dtype are used.
+        model: a supported causal LM without sliding-window layers; its dtype is used, and each layer is filled on
+            the device its attention runs on (design.md §11).
         batch (`int`): B, the cache rows.
         context (`int`): S, prompt tokens per row (at least `min_compress_len`).
         config, policy, **overrides: as for `ShadowKVCache(model, ...)`. ShadowKV mode needs a `LandmarkTopK`
@@ -135,12 +137,13 @@ def synthetic_cache(
         raise TypeError(f"YAKV mode fills QuantizedKeyTopK's state; got {type(cache.policy).__name__}.")
     if config.mode == "shadowkv" and not isinstance(cache.policy, LandmarkTopK):
         raise TypeError(f"ShadowKV mode fills LandmarkTopK's state (landmarks); got {type(cache.policy).__name__}.")
-    parameter = next(model.parameters())
-    device, dtype = parameter.device, parameter.dtype
+    dtype = next(model.parameters()).dtype
+    devices = attention_devices(model)  # each layer on its own device in a model split by accelerate
     stored = 1 if share_stored_row else batch
-    pin = device.type == "cuda" and config.pin_memory
     fill = _yakv_layer if config.mode == "yakv" else _shadowkv_layer
     for i, layer in enumerate(layers):
+        device = devices[i]
+        pin = device.type == "cuda" and config.pin_memory
         host = _HostMemory(host_blocks[i] if host_blocks is not None else None, pin)
         prompt = fill(cache, sizes, batch, stored, context, device, dtype, host)
         empty = torch.empty(batch, sizes.num_kv_heads, 0, sizes.head_dim, device=device, dtype=dtype)
