@@ -10,10 +10,13 @@ which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (d
   cache's use scope: one thread at a time, and a call that raises leaves the cache as it was (hf/state.py);
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
-The wrapper sees the key as the attention module hands it to RoPE, so per-head norms applied before RoPE (Qwen3,
-Gemma 3 `k_norm`) are part of the recorded pre-RoPE key. Models with sliding-window layers (`config.layer_types`,
-Gemma 3) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
-are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers).
+The wrapper sees the key as the attention module hands it to RoPE, so norms applied before RoPE (Qwen3, Gemma 3
+`k_norm` per head; OLMo 2 over the whole projection) and clipping (OLMo `clip_qkv`) are part of the recorded pre-RoPE
+key. A layer without RoPE (SmolLM3, EXAONE 4 NoPE layers, `rope_layers`) never calls the wrapper: its keys reach the
+attention function as they are, and that is where its pre-RoPE keys are taken. Models with sliding-window layers
+(`config.layer_types`: Gemma 2 and 3, GPT-OSS, OLMo 3, ...) keep those layers exact (`sliding_windows`); only
+full-attention layers are compressed, and their keys are rebuilt with the full-attention layers' RoPE (Gemma 3 has
+another base for its local layers).
 
 The attention implementation is switched with Transformers' own `set_attn_implementation`, on a copy of the
 model's config that the patch gives the model: models built from one config object share it, and switching the
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.rebuild_keys import IdentityRope, RopeFn
 from .attention import register_attention
 from .step_context import ATTENTION_NAME, current_step
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
@@ -45,17 +49,44 @@ __all__ = [
     "ModelAdapter",
     "ModelRope",
     "patch_model",
+    "rope_layers",
     "sliding_windows",
     "unpatch_model",
 ]
 
-# model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call.
+# model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call. What differs
+# between them and matters here (docs/architectures.md): per-head norms before RoPE (qwen3, qwen3_moe, gemma3, olmo2,
+# olmo3, olmoe, apertus, exaone4: part of the recorded pre-RoPE key), sliding-window layers (`sliding_windows`),
+# layers without RoPE (smollm3, exaone4: `rope_layers`), logit soft-capping (gemma2, vaultgemma) and attention sinks
+# (gpt_oss), which the attention function reads from the arguments the model passes it (hf/attention.py).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "transformers.models.llama.modeling_llama",
-    "mistral": "transformers.models.mistral.modeling_mistral",
-    "qwen2": "transformers.models.qwen2.modeling_qwen2",
-    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+    "apertus": "transformers.models.apertus.modeling_apertus",
+    "arcee": "transformers.models.arcee.modeling_arcee",
+    "exaone4": "transformers.models.exaone4.modeling_exaone4",
+    "gemma": "transformers.models.gemma.modeling_gemma",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+    "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
+    "granite": "transformers.models.granite.modeling_granite",
+    "granitemoe": "transformers.models.granitemoe.modeling_granitemoe",
+    "helium": "transformers.models.helium.modeling_helium",
+    "llama": "transformers.models.llama.modeling_llama",
+    "ministral": "transformers.models.ministral.modeling_ministral",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+    "mixtral": "transformers.models.mixtral.modeling_mixtral",
+    "olmo": "transformers.models.olmo.modeling_olmo",
+    "olmo2": "transformers.models.olmo2.modeling_olmo2",
+    "olmo3": "transformers.models.olmo3.modeling_olmo3",
+    "olmoe": "transformers.models.olmoe.modeling_olmoe",
+    "phimoe": "transformers.models.phimoe.modeling_phimoe",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "seed_oss": "transformers.models.seed_oss.modeling_seed_oss",
+    "smollm3": "transformers.models.smollm3.modeling_smollm3",
+    "starcoder2": "transformers.models.starcoder2.modeling_starcoder2",
+    "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma",
 }
 
 
@@ -70,6 +101,8 @@ class ModelAdapter:
     original_attn_implementation: str | None
     attention: dict[int, weakref.ref] = field(default_factory=dict)
 
+    uses_rope: list[bool] = field(default_factory=list)  # per layer: False where the layer has no RoPE (NoPE)
+
     @property
     def rope(self) -> ModelRope:
         """The model's RoPE at given positions, as the key rebuild of the compressed (full-attention) layers
@@ -77,6 +110,10 @@ class ModelAdapter:
         # A rotary module with per-layer-type tables (Gemma 3: θ 1e6 global, 1e4 local) is asked for the global one.
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
+
+    def rope_of(self, layer_idx: int) -> RopeFn:
+        """The RoPE that layer `layer_idx`'s keys were given: the model's, or none in a NoPE layer (`rope_layers`)."""
+        return self.rope if self.uses_rope[layer_idx] else IdentityRope()
 
 
 class ModelRope:
@@ -129,23 +166,22 @@ def check_supported(model: nn.Module) -> str:
             f"ShadowKVCache needs causal attention; this {model_type} model has use_bidirectional_attention=True "
             "(an encoder such as EmbeddingGemma). Use it without a cache."
         )
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        # SDPA (the model's own and the sparse step) has no logit soft-capping, so results would differ from eager.
-        raise ValueError(
-            f"ShadowKVCache does not support attention logit soft-capping (attn_logit_softcapping="
-            f"{text.attn_logit_softcapping}); set it to None or use DynamicCache with eager attention."
-        )
     sliding_windows(text)  # unknown layer types raise here, before anything is patched
+    rope_layers(text, model_type)
     return model_type
 
 
 def sliding_windows(text_config: Any) -> list[int | None]:
     """Per layer: the sliding window of a `sliding_attention` layer (kept exact, never compressed), else `None`.
 
-    Read from `config.layer_types` (Gemma 3: five local layers per global one); a config without it has only
-    full-attention layers here.
+    Read from `config.layer_types` (Gemma 3: five local layers per global one). A config without it follows
+    Transformers' own rule (`DynamicCache`, and the mask of Mistral-like models): every layer slides when
+    `config.sliding_window` is set, none otherwise.
     """
-    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(text_config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ValueError(
@@ -153,6 +189,28 @@ def sliding_windows(text_config: Any) -> list[int | None]:
             "'full_attention' (compressed) and 'sliding_attention' (kept exact). Use DynamicCache for this model."
         )
     return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
+
+
+def rope_layers(text_config: Any, model_type: str) -> list[bool]:
+    """Per layer: whether its attention applies RoPE to the keys. A layer without (NoPE) hands its keys to the
+    cache as they are, so they are their own pre-RoPE keys, and the rebuild adds no rotation (`IdentityRope`).
+
+    SmolLM3 lists the layers that keep RoPE (`config.no_rope_layers`, 1 = RoPE; every fourth layer has none);
+    EXAONE 4 drops RoPE from its global layers when it has local ones (`sliding_window` set).
+    """
+    layers = text_config.num_hidden_layers
+    if model_type == "smollm3":
+        flags = [bool(flag) for flag in text_config.no_rope_layers]
+    elif model_type == "exaone4" and getattr(text_config, "sliding_window", None) is not None:
+        flags = [kind == "sliding_attention" for kind in text_config.layer_types]
+    else:
+        flags = [True] * layers
+    if len(flags) != layers:
+        raise ValueError(
+            f"This {model_type} config marks RoPE for {len(flags)} layers but has num_hidden_layers={layers}; "
+            "fix no_rope_layers / layer_types so that they have one entry per layer."
+        )
+    return flags
 
 
 # One patch or unpatch at a time: two threads that make the first cache of one model must patch it once.
@@ -194,6 +252,7 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             apply_rotary=original_rotary,
             original_attn_implementation=model.config._attn_implementation,
             attention={module.layer_idx: weakref.ref(module) for module in attention},
+            uses_rope=rope_layers(model.config.get_text_config(), model_type),
         )
         try:
             original = model.config
