@@ -90,6 +90,19 @@ _ARCH_CONFIG = {
     "olmoe": {**_EXPERTS, "num_experts": 4},
     "qwen2_moe": {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
     "qwen3_moe": {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32},
+    "granitemoeshared": {**_EXPERTS, "num_local_experts": 4, "shared_intermediate_size": 32},
+    "flex_olmo": {**_EXPERTS, "num_experts": 4},
+    "solar_open": {**_EXPERTS, "n_routed_experts": 4, "moe_intermediate_size": 32},
+    # Local and global alternating, the global layers without RoPE; a dense first layer, then MoE.
+    "exaone_moe": {
+        **_EXPERTS,
+        "num_hidden_layers": 4,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 2,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+    },
+    "afmoe": {**_ALTERNATING, **_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "num_shared_experts": 1},
     "olmo": {"clip_qkv": 1.0},
     "granite": {"attention_multiplier": 0.2},  # scaling 0.2 instead of 1/sqrt(D)
 }

@@ -21,7 +21,8 @@ from ..shadowkv.mode import ShadowKVMode
 from ..stores.value_codecs import check_value_format
 from ..yakv.mode import YakvMode
 from . import microbatch
-from .adapters import check_supported, patch_model, sliding_windows
+from .adapters import patch_model
+from .architectures import check_supported, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
 from .prefill import SLIDING_PREFIX, refuse_sliding_prefix

@@ -10,7 +10,7 @@ from transformers.utils.logging import is_progress_bar_enabled
 
 from ..prefix.identity import kv_dtype_and_devices
 from ..prefix.use import as_prefix_ids
-from .adapters import sliding_windows
+from .architectures import sliding_windows
 
 __all__ = ["SLIDING_PREFIX", "prefill", "refuse_sliding_prefix", "run_prompt"]
 

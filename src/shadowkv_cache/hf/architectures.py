@@ -1,0 +1,131 @@
+"""Which architectures the cache supports, and what it must know of each beyond its modeling module.
+
+Every supported model applies RoPE through its modeling module's global `apply_rotary_pos_emb`, which the adapter
+wraps (hf/adapters.py). What else differs between them and matters here (docs/architectures.md):
+- norms or clipping before RoPE (Qwen3, OLMo 2, Apertus, EXAONE 4 `k_norm`; OLMo `clip_qkv`): part of the recorded
+  pre-RoPE key, nothing to do;
+- sliding-window layers (Gemma 2 and 3, GPT-OSS, Ministral, OLMo 3, EXAONE 4, AFMoE; every layer of a Mistral-like
+  config with `sliding_window` set): kept exact (`sliding_windows`);
+- layers without RoPE (SmolLM3, EXAONE 4 and AFMoE global layers): their keys are rebuilt without it
+  (`rope_layers`);
+- logit soft-capping (Gemma 2, VaultGemma) and attention sinks (GPT-OSS): passed by the model to the attention
+  function, which applies them on every path (hf/attention.py);
+- MoE MLPs (Mixtral, Qwen MoE, OLMoE, GPT-OSS, ...): nothing, attention is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "check_supported", "model_type_of", "rope_layers", "sliding_windows"]
+
+# model_type -> the modeling module whose global `apply_rotary_pos_emb` its attention modules call.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "afmoe": "transformers.models.afmoe.modeling_afmoe",
+    "apertus": "transformers.models.apertus.modeling_apertus",
+    "arcee": "transformers.models.arcee.modeling_arcee",
+    "bitnet": "transformers.models.bitnet.modeling_bitnet",
+    "exaone4": "transformers.models.exaone4.modeling_exaone4",
+    "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe",
+    "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo",
+    "gemma": "transformers.models.gemma.modeling_gemma",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2",
+    "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+    "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
+    "granite": "transformers.models.granite.modeling_granite",
+    "granitemoe": "transformers.models.granitemoe.modeling_granitemoe",
+    "granitemoeshared": "transformers.models.granitemoeshared.modeling_granitemoeshared",
+    "helium": "transformers.models.helium.modeling_helium",
+    "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax",
+    "jais2": "transformers.models.jais2.modeling_jais2",
+    "llama": "transformers.models.llama.modeling_llama",
+    "ministral": "transformers.models.ministral.modeling_ministral",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+    "mixtral": "transformers.models.mixtral.modeling_mixtral",
+    "olmo": "transformers.models.olmo.modeling_olmo",
+    "olmo2": "transformers.models.olmo2.modeling_olmo2",
+    "olmo3": "transformers.models.olmo3.modeling_olmo3",
+    "olmoe": "transformers.models.olmoe.modeling_olmoe",
+    "phimoe": "transformers.models.phimoe.modeling_phimoe",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "seed_oss": "transformers.models.seed_oss.modeling_seed_oss",
+    "smollm3": "transformers.models.smollm3.modeling_smollm3",
+    "solar_open": "transformers.models.solar_open.modeling_solar_open",
+    "starcoder2": "transformers.models.starcoder2.modeling_starcoder2",
+    "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma",
+}
+
+
+def model_type_of(model: nn.Module) -> str:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "model_type", type(model).__name__)
+
+
+def check_supported(model: nn.Module) -> str:
+    """The model's architecture name, or a `ValueError` listing the supported ones."""
+    model_type = model_type_of(model)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"ShadowKVCache does not support the '{model_type}' architecture yet. Supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Use transformers.DynamicCache for this model."
+        )
+    text = model.config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", False):
+        # Sparse decoding assumes causal attention (the prompt never sees later tokens).
+        raise ValueError(
+            f"ShadowKVCache needs causal attention; this {model_type} model has use_bidirectional_attention=True "
+            "(an encoder such as EmbeddingGemma). Use it without a cache."
+        )
+    sliding_windows(text)  # unknown layer types raise here, before anything is patched
+    rope_layers(text, model_type)
+    return model_type
+
+
+def sliding_windows(text_config: Any) -> list[int | None]:
+    """Per layer: the sliding window of a `sliding_attention` layer (kept exact, never compressed), else `None`.
+
+    Read from `config.layer_types` (Gemma 3: five local layers per global one). A config without it follows
+    Transformers' own rule (`DynamicCache`, and the mask of Mistral-like models): every layer slides when
+    `config.sliding_window` is set, none otherwise.
+    """
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(text_config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"ShadowKVCache does not support layer types {unknown} (config.layer_types); it handles "
+            "'full_attention' (compressed) and 'sliding_attention' (kept exact). Use DynamicCache for this model."
+        )
+    return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
+
+
+def rope_layers(text_config: Any, model_type: str) -> list[bool]:
+    """Per layer: whether its attention applies RoPE to the keys. A layer without (NoPE) hands its keys to the
+    cache as they are, so they are their own pre-RoPE keys, and the rebuild adds no rotation (`IdentityRope`).
+
+    SmolLM3 lists the layers that keep RoPE (`config.no_rope_layers`, 1 = RoPE; every fourth layer has none);
+    EXAONE 4 and EXAONE MoE drop RoPE from their global layers when they have local ones (`sliding_window` set);
+    AFMoE applies RoPE in its local layers only. A layer marked wrongly is caught at compression (hf/attention.py).
+    """
+    layers = text_config.num_hidden_layers
+    if model_type == "smollm3":
+        flags = [bool(flag) for flag in text_config.no_rope_layers]
+    elif model_type in ("exaone4", "exaone_moe") and getattr(text_config, "sliding_window", None) is not None:
+        flags = [kind == "sliding_attention" for kind in text_config.layer_types]
+    elif model_type == "afmoe":
+        flags = [kind == "sliding_attention" for kind in text_config.layer_types]
+    else:
+        flags = [True] * layers
+    if len(flags) != layers:
+        raise ValueError(
+            f"This {model_type} config marks RoPE for {len(flags)} layers but has num_hidden_layers={layers}; "
+            "fix no_rope_layers / layer_types so that they have one entry per layer."
+        )
+    return flags
