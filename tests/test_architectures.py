@@ -15,6 +15,8 @@ Legend: B batch, Hq/Hkv query/KV heads, T query tokens, N keys, D head dim.
 from __future__ import annotations
 
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,6 +246,21 @@ def test_config_without_layer_types_follows_transformers_sliding_rule():
     assert torch.equal(got.sequences, ref.sequences)
     assert_logits_close(got.logits, ref.logits)
     assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
+def test_readme_and_docs_list_every_supported_architecture():
+    """README's list and docs/architectures.md's table name exactly the keys of `SUPPORTED_ARCHITECTURES`."""
+    root = Path(__file__).resolve().parents[1]
+    readme = root.joinpath("README.md").read_text()
+    start = readme.index("<!-- architectures:")
+    block = readme[readme.index("\n", start) : readme.index("\n\n", start)]
+    assert sorted(re.findall(r"`(\w+)`", block)) == ARCHITECTURES
+    docs = root.joinpath("docs", "architectures.md").read_text()
+    table = docs[docs.index("## Supported") : docs.index("## Left out")]
+    rows = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert rows[0] == "model_type" and sorted(rows[1:]) == ARCHITECTURES
+    left_out = docs[docs.index("## Left out") :]
+    assert not set(re.findall(r"`(\w+)`", left_out)) & set(ARCHITECTURES), "an architecture is both in and out"
 
 
 # -- on CUDA (run with -m gpu) --------------------------------------------------------------------------------
