@@ -239,6 +239,18 @@ def test_softcap_matters_in_the_tiny_gemma2():
     assert not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_before_patching(rope_type):
+    """LongRoPE (Phi-3.5-MoE) and dynamic NTK pick their frequencies from the sequence length, which a chunk's
+    rebuild cannot know: refused with the reason, the model left as it was."""
+    model = make_tiny_model("phimoe")
+    model.config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
+        ShadowKVCache(model)
+    assert model.config._attn_implementation == before
+
+
 def test_config_without_layer_types_follows_transformers_sliding_rule():
     """Mistral-like configs have no `layer_types`: a set `sliding_window` makes every layer a sliding one (as in
     `DynamicCache` and the model's mask), so a prompt longer than the window stays exact and equal."""
@@ -263,7 +275,7 @@ def test_readme_and_docs_list_every_supported_architecture():
     table = docs[docs.index("## Supported") : docs.index("## Left out")]
     rows = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
     assert rows[0] == "model_type" and sorted(rows[1:]) == ARCHITECTURES
-    left_out = docs[docs.index("## Left out") :]
+    left_out = docs[docs.index("## Left out") : docs.index("## Refused settings")]
     assert not set(re.findall(r"`(\w+)`", left_out)) & set(ARCHITECTURES), "an architecture is both in and out"
 
 

@@ -83,7 +83,25 @@ def check_supported(model: nn.Module) -> str:
         )
     sliding_windows(text)  # unknown layer types raise here, before anything is patched
     rope_layers(text, model_type)
+    dynamic = sorted(set(_rope_types(text)) & _LENGTH_DEPENDENT_ROPE)
+    if dynamic:
+        # The model ropes a prompt with the frequencies of its length; the rebuild, asking the rotary module at a
+        # chunk's own positions, would get the other set (LongRoPE's short factors below the original length).
+        raise ValueError(
+            f"ShadowKVCache does not support RoPE whose frequencies depend on the sequence length (rope_type "
+            f"{dynamic[0]!r} in config.rope_parameters). Use DynamicCache for this model."
+        )
     return model_type
+
+
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def _rope_types(text_config: Any) -> list[str]:
+    """The `rope_type`s of `config.rope_parameters`: one dict, or one per layer type (Gemma 3)."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    tables = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    return [table["rope_type"] for table in tables if "rope_type" in table]
 
 
 def sliding_windows(text_config: Any) -> list[int | None]:
