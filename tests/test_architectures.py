@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from shadowkv_cache import SUPPORTED_ARCHITECTURES, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.core.attention import LogitTerms, grouped_attention
+from shadowkv_cache.hf import architectures
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.rebuild_keys import IdentityRope
 
@@ -193,16 +194,18 @@ def test_layers_without_rope_compress_and_rebuild_without_it(arch, nope):
         if not isinstance(layer, CompressedLayer):
             continue
         assert layer.is_compressed
-        assert layer.uses_rope == (i not in nope), i
         assert isinstance(layer.mode.rope, IdentityRope) == (i in nope), i
 
 
-def test_a_rope_layer_marked_nope_raises():
-    """A config that marks a RoPE layer as NoPE would rebuild its keys without rotation: refused, not guessed."""
+def test_a_rope_layer_counted_without_rope_raises(monkeypatch):
+    """A rule that counts a RoPE layer as NoPE would rebuild its keys without rotation: refused at prefill, and the
+    cache left empty."""
     model = make_tiny_model("smollm3")
-    model.config.no_rope_layers = [1, 0, 1, 0]  # layer 1 does apply RoPE: its module read the flag at build time
+    monkeypatch.setitem(architectures.WITHOUT_ROPE, "smollm3", lambda attention: attention.layer_idx in (1, 3))
+    cache = ShadowKVCache(model, **full_budget_overrides())
     with pytest.raises(RuntimeError, match="applied RoPE"):
-        generate_with(model, random_prompt(100, seed=6), ShadowKVCache(model, **full_budget_overrides()))
+        generate_with(model, random_prompt(100, seed=6), cache)
+    assert cache.get_seq_length() == 0
 
 
 @pytest.mark.parametrize("arch, term", [("gemma2", "softcap"), ("vaultgemma", "softcap"), ("gpt_oss", "sinks")])

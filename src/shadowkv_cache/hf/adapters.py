@@ -12,7 +12,7 @@ which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (d
   `generate` was given (the forward only sees the uncached tokens).
 The wrapper sees the key as the attention module hands it to RoPE, so norms applied before RoPE (Qwen3, Gemma 3
 `k_norm` per head; OLMo 2 over the whole projection) and clipping (OLMo `clip_qkv`) are part of the recorded pre-RoPE
-key. A layer without RoPE (SmolLM3, EXAONE 4 NoPE layers, `rope_layers`) never calls the wrapper: its keys reach the
+key. A layer without RoPE (SmolLM3, EXAONE 4 NoPE layers, `WITHOUT_ROPE`) never calls the wrapper: its keys reach the
 attention function as they are, and that is where its pre-RoPE keys are taken. Models with sliding-window layers
 (`config.layer_types`: Gemma 2 and 3, GPT-OSS, OLMo 3, ...) keep those layers exact (`sliding_windows`); only
 full-attention layers are compressed, and their keys are rebuilt with the full-attention layers' RoPE (Gemma 3 has
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..ops.rebuild_keys import IdentityRope, RopeFn
-from .architectures import SUPPORTED_ARCHITECTURES, check_supported, model_type_of, rope_layers, sliding_windows
+from .architectures import SUPPORTED_ARCHITECTURES, check_supported, layers_without_rope, model_type_of, sliding_windows
 from .attention import register_attention
 from .step_context import ATTENTION_NAME, current_step
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
@@ -53,7 +53,6 @@ __all__ = [
     "check_supported",
     "model_type_of",
     "patch_model",
-    "rope_layers",
     "sliding_windows",
     "unpatch_model",
 ]
@@ -70,7 +69,7 @@ class ModelAdapter:
     original_attn_implementation: str | None
     attention: dict[int, weakref.ref] = field(default_factory=dict)
 
-    uses_rope: list[bool] = field(default_factory=list)  # per layer: False where the layer has no RoPE (NoPE)
+    without_rope: frozenset[int] = frozenset()  # layers whose attention applies no RoPE (`WITHOUT_ROPE`)
 
     @property
     def rope(self) -> ModelRope:
@@ -80,9 +79,9 @@ class ModelAdapter:
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
 
-    def rope_of(self, layer_idx: int) -> RopeFn:
-        """The RoPE that layer `layer_idx`'s keys were given: the model's, or none in a NoPE layer (`rope_layers`)."""
-        return self.rope if self.uses_rope[layer_idx] else IdentityRope()
+    def layer_rope(self, layer_idx: int) -> RopeFn:
+        """The RoPE of one compressed layer: the model's, or the identity where the layer applies none."""
+        return IdentityRope() if layer_idx in self.without_rope else self.rope
 
 
 class ModelRope:
@@ -154,7 +153,7 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             apply_rotary=original_rotary,
             original_attn_implementation=model.config._attn_implementation,
             attention={module.layer_idx: weakref.ref(module) for module in attention},
-            uses_rope=rope_layers(model.config.get_text_config(), model_type),
+            without_rope=layers_without_rope(model_type, attention),
         )
         try:
             original = model.config

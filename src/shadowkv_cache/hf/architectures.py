@@ -7,7 +7,7 @@ wraps (hf/adapters.py). What else differs between them and matters here (docs/ar
 - sliding-window layers (Gemma 2 and 3, GPT-OSS, Ministral, OLMo 3, EXAONE 4, AFMoE; every layer of a Mistral-like
   config with `sliding_window` set): kept exact (`sliding_windows`);
 - layers without RoPE (SmolLM3, EXAONE 4 and AFMoE global layers): their keys are rebuilt without it
-  (`rope_layers`);
+  (`WITHOUT_ROPE`);
 - logit soft-capping (Gemma 2, VaultGemma) and attention sinks (GPT-OSS): passed by the model to the attention
   function, which applies them on every path (hf/attention.py);
 - MoE MLPs (Mixtral, Qwen MoE, OLMoE, GPT-OSS, ...): nothing, attention is unchanged.
@@ -15,11 +15,19 @@ wraps (hf/adapters.py). What else differs between them and matters here (docs/ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "check_supported", "model_type_of", "rope_layers", "sliding_windows"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "WITHOUT_ROPE",
+    "check_supported",
+    "layers_without_rope",
+    "model_type_of",
+    "sliding_windows",
+]
 
 # model_type -> the modeling module whose global `apply_rotary_pos_emb` its attention modules call.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -82,7 +90,6 @@ def check_supported(model: nn.Module) -> str:
             "(an encoder such as EmbeddingGemma). Use it without a cache."
         )
     sliding_windows(text)  # unknown layer types raise here, before anything is patched
-    rope_layers(text, model_type)
     dynamic = sorted(set(_rope_types(text)) & _LENGTH_DEPENDENT_ROPE)
     if dynamic:
         # The model ropes a prompt with the frequencies of its length; the rebuild, asking the rotary module at a
@@ -124,26 +131,19 @@ def sliding_windows(text_config: Any) -> list[int | None]:
     return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
 
 
-def rope_layers(text_config: Any, model_type: str) -> list[bool]:
-    """Per layer: whether its attention applies RoPE to the keys. A layer without (NoPE) hands its keys to the
-    cache as they are, so they are their own pre-RoPE keys, and the rebuild adds no rotation (`IdentityRope`).
+# model_type -> which attention modules apply no RoPE (NoPE), decided as the module's forward decides it: SmolLM3
+# drops it in every fourth layer (`use_rope`, from `no_rope_layers`), EXAONE 4 and EXAONE MoE in their global layers
+# when they have local ones, AFMoE everywhere but its local layers. Such a layer is compressed all the same; its keys
+# are their own pre-RoPE keys and are rebuilt without rotation (`IdentityRope`).
+WITHOUT_ROPE: dict[str, Callable[[nn.Module], bool]] = {
+    "smollm3": lambda attention: not attention.use_rope,
+    "exaone4": lambda attention: not (attention.sliding_window is None or attention.is_sliding),
+    "exaone_moe": lambda attention: not (attention.sliding_window is None or attention.is_sliding),
+    "afmoe": lambda attention: not attention.is_local_attention,
+}
 
-    SmolLM3 lists the layers that keep RoPE (`config.no_rope_layers`, 1 = RoPE; every fourth layer has none);
-    EXAONE 4 and EXAONE MoE drop RoPE from their global layers when they have local ones (`sliding_window` set);
-    AFMoE applies RoPE in its local layers only. A layer marked wrongly is caught at compression (hf/attention.py).
-    """
-    layers = text_config.num_hidden_layers
-    if model_type == "smollm3":
-        flags = [bool(flag) for flag in text_config.no_rope_layers]
-    elif model_type in ("exaone4", "exaone_moe") and getattr(text_config, "sliding_window", None) is not None:
-        flags = [kind == "sliding_attention" for kind in text_config.layer_types]
-    elif model_type == "afmoe":
-        flags = [kind == "sliding_attention" for kind in text_config.layer_types]
-    else:
-        flags = [True] * layers
-    if len(flags) != layers:
-        raise ValueError(
-            f"This {model_type} config marks RoPE for {len(flags)} layers but has num_hidden_layers={layers}; "
-            "fix no_rope_layers / layer_types so that they have one entry per layer."
-        )
-    return flags
+
+def layers_without_rope(model_type: str, attention: list[nn.Module]) -> frozenset[int]:
+    """The layer indices among `attention` (the model's attention modules) that apply no RoPE (`WITHOUT_ROPE`)."""
+    rule = WITHOUT_ROPE.get(model_type)
+    return frozenset(module.layer_idx for module in attention if rule is not None and rule(module))

@@ -119,10 +119,10 @@ class ShadowKVCache(CheckedUpdates, Cache):
         def mode(layer_idx: int):
             if yakv:
                 return YakvMode(config, self.policy)
-            return ShadowKVMode(config, self.policy, adapter.rope_of(layer_idx))
+            return ShadowKVMode(config, self.policy, adapter.layer_rope(layer_idx))
 
         layers = [
-            CompressedLayer(mode(i), self._graphs, adapter.uses_rope[i]) if window is None else SlidingLayer(window)
+            CompressedLayer(mode(i), self._graphs) if window is None else SlidingLayer(window)
             for i, window in enumerate(sliding_windows(text_config))
         ]
         super().__init__(layers=layers)

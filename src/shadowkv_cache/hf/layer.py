@@ -54,13 +54,11 @@ class CompressedLayer(DynamicLayer):
     Args:
         mode (`LayerMode`): the mode's state and step (`ShadowKVMode` or `YakvMode`), empty.
         graphs (`GraphSwitch`): the cache's switch for CUDA graphs, shared by its layers.
-        uses_rope (`bool`, *optional*, defaults to True): False for a layer without RoPE (NoPE), whose keys are
-            their own pre-RoPE keys (hf/attention.py takes them from the attention function's arguments).
     """
 
-    def __init__(self, mode: LayerMode, graphs: GraphSwitch, uses_rope: bool = True):
+    def __init__(self, mode: LayerMode, graphs: GraphSwitch):
         super().__init__()
-        self.mode, self.graphs, self.uses_rope = mode, graphs, uses_rope
+        self.mode, self.graphs = mode, graphs
         self.new: TokenBuffer | None = None  # the tokens after a compressed prompt
         self._graph: DecodeGraph | None = None
         self._graph_ready = False  # one eager step ran (kernels loaded, workspaces made): capture may follow
@@ -199,7 +197,7 @@ class CompressedLayer(DynamicLayer):
     def fork(self, batch_size: int, graphs: GraphSwitch) -> CompressedLayer:
         """A layer of `batch_size` rows that starts from this one-row prefix and shares it: `expand` views of its
         tensors and of its host values, no copy. Each row gets its own selection state and new tokens."""
-        layer = CompressedLayer(self.mode.empty_like(), graphs, self.uses_rope)
+        layer = CompressedLayer(self.mode.empty_like(), graphs)
         if self.is_initialized:
             shape = (batch_size, *self.keys.shape[1:])
             prompt = self.prompt.shared(batch_size) if self.prompt is not None else None
