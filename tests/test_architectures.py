@@ -339,9 +339,11 @@ def test_padded_rows_equal_rows_alone_on_cuda(cuda_model):
     rows = [random_prompt(n, seed=30 + i)[0] for i, n in enumerate((300, 211, 40))]
     ids, mask = left_pad(rows)
     overrides = small_budget_overrides()
-    batch = generate_with(cuda_model, ids.cuda(), ShadowKVCache(cuda_model, **overrides), attention_mask=mask.cuda())
+    no_pad = {"suppress_tokens": [0]}  # as in test_left_padded_rows_match_rows_alone
+    cache = ShadowKVCache(cuda_model, **overrides)
+    batch = generate_with(cuda_model, ids.cuda(), cache, attention_mask=mask.cuda(), **no_pad)
     for i, row in enumerate(rows):
-        alone = generate_with(cuda_model, row[None].cuda(), ShadowKVCache(cuda_model, **overrides))
+        alone = generate_with(cuda_model, row[None].cuda(), ShadowKVCache(cuda_model, **overrides), **no_pad)
         assert torch.equal(batch.sequences[i, ids.shape[1] :], alone.sequences[0, len(row) :]), f"row {i}"
         torch.testing.assert_close(
             torch.stack([step[i] for step in batch.logits]),
