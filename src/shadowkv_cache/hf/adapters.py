@@ -68,7 +68,6 @@ class ModelAdapter:
     apply_rotary: Callable
     original_attn_implementation: str | None
     attention: dict[int, weakref.ref] = field(default_factory=dict)
-
     without_rope: frozenset[int] = frozenset()  # layers whose attention applies no RoPE (`WITHOUT_ROPE`)
 
     @property
