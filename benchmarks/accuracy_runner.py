@@ -15,7 +15,7 @@ from benchmarks.accuracy_plans import Config
 from benchmarks.methods import EVICTING, METHODS, MODE_CHANGES, PolicyBundle, fork_cache
 from benchmarks.selection_probe import SelectionProbe
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.hf.adapters import sliding_windows
+from shadowkv_cache.hf.architectures import sliding_windows
 from shadowkv_cache.testing import selection_figures
 
 __all__ = ["MODELS", "Runner", "load_model", "summarise_stats"]

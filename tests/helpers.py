@@ -6,6 +6,8 @@ Every tiny model has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), h
 (so `Hkv*D = 32`), vocab 128, fp32, in eval mode, with seeded random weights. The tiny Gemma 3
 (`gemma3_text`, not in `ARCHS`: only its full-attention layers are compressed) has 4 layers, sliding and
 full attention alternating, a 16-token sliding window and `query_pre_attn_scalar` 32 (scaling 1/√32, not 1/√D).
+Other architectures' settings (`_ARCH_CONFIG`): 4 alternating layers where the model mixes local and global
+attention, 4 experts of width 32 for MoE MLPs, NoPE layers, soft-capping and clipping strong enough to matter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ except ModuleNotFoundError:
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from shadowkv_cache import ShadowKVConfig
+from shadowkv_cache.ops.rebuild_keys import rebuild_keys
+from shadowkv_cache.shadowkv.prompt import CompressedPrompt
+
 __all__ = [
     "ARCHS",
     "GEMMA3",
@@ -32,6 +38,7 @@ __all__ = [
     "KEY_DIM",
     "NUM_KV_HEADS",
     "VOCAB",
+    "assert_every_token_reachable_once",
     "assert_logits_close",
     "dynamic_cache",
     "forward_with",
@@ -55,14 +62,56 @@ INIT_RANGE = 0.15
 
 GEMMA3 = "gemma3_text"
 SLIDING_WINDOW = 16
-# Per-architecture settings on top of the common ones.
+# Four layers, local and global alternating (the global ones are compressed).
+_ALTERNATING = {
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": SLIDING_WINDOW,
+}
+# MoE MLPs: 4 small experts, 2 per token.
+_EXPERTS = {"num_experts_per_tok": 2, "intermediate_size": 32}
+# Per-architecture settings on top of the common ones: each one's distinctive attention switched on and made
+# strong enough to matter at this size (a small soft-cap, clipping that clips, a non-default scaling).
 _ARCH_CONFIG = {
-    GEMMA3: {
-        "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        "sliding_window": SLIDING_WINDOW,
-        "query_pre_attn_scalar": 32,
+    GEMMA3: {**_ALTERNATING, "query_pre_attn_scalar": 32},
+    "gemma2": {**_ALTERNATING, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 5.0},
+    "vaultgemma": {**_ALTERNATING, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 5.0},
+    "gpt_oss": {**_ALTERNATING, **_EXPERTS, "num_local_experts": 4},  # attention sinks, YaRN RoPE
+    "ministral": _ALTERNATING,
+    "olmo3": _ALTERNATING,
+    # Local and global alternating; the global layers have no RoPE.
+    "exaone4": {"num_hidden_layers": 4, "sliding_window": SLIDING_WINDOW, "sliding_window_pattern": 2},
+    "smollm3": {"num_hidden_layers": 4},  # the fourth layer has no RoPE (no_rope_layer_interval=4)
+    # Mistral's default window (4096) makes every layer a sliding one; Mistral v0.2 and later have none.
+    "mistral": {"sliding_window": None},
+    "mixtral": {**_EXPERTS, "num_local_experts": 4},
+    "phimoe": {**_EXPERTS, "num_local_experts": 4},
+    # Granite's attention scaling is `attention_multiplier` (real checkpoints: 1/D); the default 1.0 would make
+    # random logits 4x sharper than 1/sqrt(D) and fp32 round-off grow past the tests' tolerance.
+    "granitemoe": {**_EXPERTS, "num_local_experts": 4, "attention_multiplier": 0.2},
+    "olmoe": {**_EXPERTS, "num_experts": 4},
+    "qwen2_moe": {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32},
+    "granitemoeshared": {
+        **_EXPERTS,
+        "num_local_experts": 4,
+        "shared_intermediate_size": 32,
+        "attention_multiplier": 0.2,
     },
+    "flex_olmo": {**_EXPERTS, "num_experts": 4},
+    "solar_open": {**_EXPERTS, "n_routed_experts": 4, "moe_intermediate_size": 32},
+    # Local and global alternating, the global layers without RoPE; a dense first layer, then MoE.
+    "exaone_moe": {
+        **_EXPERTS,
+        "num_hidden_layers": 4,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 2,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+    },
+    "afmoe": {**_ALTERNATING, **_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "num_shared_experts": 1},
+    "olmo": {"clip_qkv": 1.0},
+    "granite": {"attention_multiplier": 0.2},  # scaling 0.2 instead of 1/sqrt(D)
 }
 
 
@@ -178,3 +227,64 @@ def assert_logits_close(actual, expected, rtol: float = 1e-4, atol: float = 1e-5
     """Per-step logits (tuples of `[B, V]`) equal within fp32 round-off (rtol 1e-4)."""
     assert len(actual) == len(expected), f"{len(actual)} steps vs {len(expected)}"
     torch.testing.assert_close(torch.stack(list(actual)), torch.stack(list(expected)), rtol=rtol, atol=atol)
+
+
+def assert_every_token_reachable_once(
+    prompt: CompressedPrompt,
+    row: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: ShadowKVConfig,
+    rope,
+) -> None:
+    """Check one row of a compressed prompt against its true post-RoPE `keys` / `values` (`[Hkv, n, D]`)."""
+    heads, n, dim = keys.shape
+    c = config.chunk_size
+    size = config.resolve(n, heads * dim)
+    covered = torch.zeros((heads, n), dtype=torch.int64)
+    chunk_tokens = size.num_chunks * c
+
+    # Chunks start at the row's first real token; their positions are the row's own positions 0..Tc-1.
+    assert prompt.positions[row, :chunk_tokens].tolist() == list(range(chunk_tokens))
+    assert not prompt.selectable[row, :, size.num_chunks :].any(), "a padding chunk is selectable"
+
+    # Selectable chunks: keys rebuilt from the low-rank factors at their true positions, values from the host.
+    hs, chunks = prompt.selectable[row].nonzero(as_tuple=True)
+    if chunks.numel():
+        rows = torch.full_like(chunks, row)
+        rebuilt = rebuild_keys(prompt.a, prompt.b, prompt.positions, rows, hs, chunks, c, rope)  # [M, c, D]
+        fetched = prompt.values.gather(rows, hs, chunks, torch.device("cpu"))  # [M, c, D]
+        tokens = chunks[:, None] * c + torch.arange(c)  # [M, c]
+        torch.testing.assert_close(rebuilt, keys[hs[:, None], tokens], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fetched, values[hs[:, None], tokens], rtol=0, atol=0)
+        covered[hs[:, None], tokens] += 1
+
+    # Outlier chunks: the real chunks that are not selectable, held exactly, each matching one true chunk.
+    n_out = size.outliers * c
+    assert int(prompt.outlier_valid[row].sum()) == n_out
+    for h in range(heads if size.num_chunks else 0):
+        out_chunks = sorted(set(range(size.num_chunks)) - set(prompt.selectable[row, h].nonzero().flatten().tolist()))
+        assert len(out_chunks) == size.outliers
+        if not out_chunks:
+            continue
+        held_k = prompt.outlier_keys[row, h, :n_out].reshape(size.outliers, c * dim)
+        held_v = prompt.outlier_values[row, h, :n_out].reshape(size.outliers, c * dim)
+        true_k = keys[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
+        true_v = values[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
+        match = (held_k[:, None] == true_k[None]).all(-1)  # [O, C]
+        assert match.sum(-1).tolist() == [1] * size.outliers, "an outlier block is not exactly one true chunk"
+        found = match.int().argmax(-1)
+        assert sorted(found.tolist()) == out_chunks
+        assert torch.equal(held_v, true_v[found])
+        for chunk in out_chunks:
+            covered[h, chunk * c : (chunk + 1) * c] += 1
+
+    # Local window: the last tokens (ragged tail included), right-aligned and exact.
+    window = prompt.local_valid.shape[1]
+    assert int(prompt.local_valid[row].sum()) == size.local
+    assert prompt.local_valid[row, window - size.local :].all()
+    assert torch.equal(prompt.local_keys[row, :, window - size.local :], keys[:, n - size.local :])
+    assert torch.equal(prompt.local_values[row, :, window - size.local :], values[:, n - size.local :])
+    covered[:, n - size.local :] += 1
+
+    assert (covered == 1).all(), f"tokens covered {covered.unique().tolist()} times; row {row}, n={n}"

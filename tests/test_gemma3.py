@@ -194,7 +194,6 @@ def test_prefix_reuse_keeps_the_sliding_windows(model, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"attn_logit_softcapping": 50.0}, "soft-capping"),
         ({"use_bidirectional_attention": True}, "causal attention"),
         ({"layer_types": ["chunked_attention", "full_attention", "sliding_attention", "full_attention"]}, "layer"),
     ],

@@ -15,7 +15,7 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.hf.adapters import patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
 from shadowkv_cache.ops.loader import kernels_available
-from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
+from shadowkv_cache.ops.rebuild_keys import IdentityRope, rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
 from shadowkv_cache.stores.value_store import HostValueStore
 
@@ -127,6 +127,29 @@ def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
     rebuild_missed_keys(private, ids, miss, expand(a).contiguous(), expand(b).contiguous(),
                         expand(positions).contiguous(), rope)  # fmt: skip
     assert torch.equal(shared, private)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rebuild_without_rope_writes_the_products_into_the_misses(dtype):
+    """A layer without RoPE (`IdentityRope`, no `inv_freq`) takes the fixed-size device path, not the RoPE kernel:
+    missed slots get `A·B` of their chunk, as the twin gives them, and hits keep what they held."""
+    torch.manual_seed(0)
+    batch, heads, slots, chunks, c, dim, rank = 2, 3, 13, 51, 8, 64, 24
+    a = torch.randn(batch, chunks * c, rank, device=CUDA).to(dtype)
+    b = torch.randn(batch, rank, heads, dim, device=CUDA).to(dtype)
+    positions = torch.arange(chunks * c, device=CUDA)[None].expand(batch, -1).contiguous()
+    ids = torch.stack([torch.randperm(chunks, device=CUDA)[:slots] for _ in range(batch * heads)])
+    ids = ids.view(batch, heads, slots)
+    miss = torch.rand(batch, heads, slots, device=CUDA) < 0.5
+    before = torch.randn(batch, heads, slots, c, dim, device=CUDA).to(dtype)
+    keys = before.clone()
+    rebuild_missed_keys(keys, ids, miss, a, b, positions, IdentityRope())
+    rows, hs, ss = miss.nonzero(as_tuple=True)
+    expected = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, ss], c, IdentityRope())
+    rtol, atol = TOLERANCE[dtype]
+    scale = expected.float().abs().amax().item()
+    torch.testing.assert_close(keys[rows, hs, ss].float(), expected.float(), rtol=rtol, atol=atol * scale)
+    assert torch.equal(keys[~miss], before[~miss])
 
 
 def gather_by_kernel_and_twin(store, heads, slots, chunks, c, dim, dtype, read_chunk_zero=False):

@@ -18,6 +18,7 @@ from helpers import (
     HEAD_DIM,
     KEY_DIM,
     NUM_KV_HEADS,
+    assert_every_token_reachable_once,
     dynamic_cache,
     forward_with,
     full_budget_overrides,
@@ -29,69 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig, patch_model
-from shadowkv_cache.ops.rebuild_keys import rebuild_keys
-from shadowkv_cache.shadowkv.prompt import CompressedPrompt, compress_prompt
-
-
-def assert_every_token_reachable_once(
-    prompt: CompressedPrompt,
-    row: int,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    config: ShadowKVConfig,
-    rope,
-) -> None:
-    """Check one row of a compressed prompt against its true post-RoPE `keys` / `values` (`[Hkv, n, D]`)."""
-    heads, n, dim = keys.shape
-    c = config.chunk_size
-    size = config.resolve(n, heads * dim)
-    covered = torch.zeros((heads, n), dtype=torch.int64)
-    chunk_tokens = size.num_chunks * c
-
-    # Chunks start at the row's first real token; their positions are the row's own positions 0..Tc-1.
-    assert prompt.positions[row, :chunk_tokens].tolist() == list(range(chunk_tokens))
-    assert not prompt.selectable[row, :, size.num_chunks :].any(), "a padding chunk is selectable"
-
-    # Selectable chunks: keys rebuilt from the low-rank factors at their true positions, values from the host.
-    hs, chunks = prompt.selectable[row].nonzero(as_tuple=True)
-    if chunks.numel():
-        rows = torch.full_like(chunks, row)
-        rebuilt = rebuild_keys(prompt.a, prompt.b, prompt.positions, rows, hs, chunks, c, rope)  # [M, c, D]
-        fetched = prompt.values.gather(rows, hs, chunks, torch.device("cpu"))  # [M, c, D]
-        tokens = chunks[:, None] * c + torch.arange(c)  # [M, c]
-        torch.testing.assert_close(rebuilt, keys[hs[:, None], tokens], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(fetched, values[hs[:, None], tokens], rtol=0, atol=0)
-        covered[hs[:, None], tokens] += 1
-
-    # Outlier chunks: the real chunks that are not selectable, held exactly, each matching one true chunk.
-    n_out = size.outliers * c
-    assert int(prompt.outlier_valid[row].sum()) == n_out
-    for h in range(heads if size.num_chunks else 0):
-        out_chunks = sorted(set(range(size.num_chunks)) - set(prompt.selectable[row, h].nonzero().flatten().tolist()))
-        assert len(out_chunks) == size.outliers
-        if not out_chunks:
-            continue
-        held_k = prompt.outlier_keys[row, h, :n_out].reshape(size.outliers, c * dim)
-        held_v = prompt.outlier_values[row, h, :n_out].reshape(size.outliers, c * dim)
-        true_k = keys[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
-        true_v = values[h, :chunk_tokens].reshape(size.num_chunks, c * dim)
-        match = (held_k[:, None] == true_k[None]).all(-1)  # [O, C]
-        assert match.sum(-1).tolist() == [1] * size.outliers, "an outlier block is not exactly one true chunk"
-        found = match.int().argmax(-1)
-        assert sorted(found.tolist()) == out_chunks
-        assert torch.equal(held_v, true_v[found])
-        for chunk in out_chunks:
-            covered[h, chunk * c : (chunk + 1) * c] += 1
-
-    # Local window: the last tokens (ragged tail included), right-aligned and exact.
-    window = prompt.local_valid.shape[1]
-    assert int(prompt.local_valid[row].sum()) == size.local
-    assert prompt.local_valid[row, window - size.local :].all()
-    assert torch.equal(prompt.local_keys[row, :, window - size.local :], keys[:, n - size.local :])
-    assert torch.equal(prompt.local_values[row, :, window - size.local :], values[:, n - size.local :])
-    covered[:, n - size.local :] += 1
-
-    assert (covered == 1).all(), f"tokens covered {covered.unique().tolist()} times; row {row}, n={n}"
+from shadowkv_cache.shadowkv.prompt import compress_prompt
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,7 +13,8 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .config import ShadowKVConfig
-    from .hf.adapters import SUPPORTED_ARCHITECTURES, patch_model, unpatch_model
+    from .hf.adapters import patch_model, unpatch_model
+    from .hf.architectures import SUPPORTED_ARCHITECTURES
     from .hf.cache import ShadowKVCache
     from .hf.state import CacheInUseError, CacheStateError
     from .memory_report import MemoryReport
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "SUPPORTED_ARCHITECTURES": ".hf.adapters",
+    "SUPPORTED_ARCHITECTURES": ".hf.architectures",
     "CacheInUseError": ".hf.state",
     "CacheStateError": ".hf.state",
     "LandmarkTopK": ".policies",

@@ -5,16 +5,22 @@ prompt, P their buffer's capacity, N attended slots, D head dim.
 
 A compressed layer attends over parts: what each mode keeps of the prompt on the device (outliers, selected
 chunks or tokens, the local window) and the exact tokens after the prompt. Each part comes with a validity mask,
-so padded slots, empty selection slots and left pads are never attended.
+so padded slots, empty selection slots and left pads are never attended. Some models change the softmax itself
+(`LogitTerms`: Gemma 2's logit soft-capping, GPT-OSS's attention sinks); the attended set then gets the same
+change, so that a full budget still gives the model's own attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
+    "NO_TERMS",
+    "LogitTerms",
     "Part",
     "attend_parts",
     "grouped_attention",
@@ -30,32 +36,94 @@ _SPARSE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, 
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LogitTerms:
+    """What a model adds to plain softmax attention, as its attention module passes it to the attention function.
+
+    Args:
+        softcap (`float`, *optional*): logits become `softcap·tanh(logits / softcap)` before the mask (Gemma 2's
+            `attn_logit_softcapping`).
+        sinks (`torch.Tensor`, *optional*): `[Hq]` one learned logit per query head that joins every softmax
+            denominator and attends to nothing (GPT-OSS's `sinks`, passed as `s_aux`).
+    """
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.softcap is None and self.sinks is None
+
+    def key(self) -> tuple:
+        """What a captured decode step depends on (the sinks by address: a captured graph reads them there)."""
+        return self.softcap, None if self.sinks is None else self.sinks.data_ptr()
+
+
+NO_TERMS = LogitTerms()
+
+
 def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    terms: LogitTerms = NO_TERMS,
 ) -> torch.Tensor:
     """Exact attention of `query` `[B, Hq, T, D]` over `keys`/`values` `[B, Hkv, N, D]` where `mask`
-    (`[B, Hkv, T, N]` bool) allows; returns `[B, T, Hq, D]` like the Transformers attention functions."""
+    (`[B or 1, Hkv or 1, T, N]` bool) allows, with the model's `terms`; returns `[B, T, Hq, D]` like the
+    Transformers attention functions."""
     batch, num_q_heads, q_len, dim = query.shape
     num_kv_heads = keys.shape[1]
     # GQA without copying K/V per query head: the G query heads of a KV head become G*T query rows.
     groups = num_q_heads // num_kv_heads
     folded = query.reshape(batch, num_kv_heads, groups * q_len, dim)
     mask = mask.expand(-1, -1, groups, -1) if q_len == 1 else mask.repeat(1, 1, groups, 1)
-    # Not cuDNN: its attention rebuilds a graph for every new key count (2 ms of CPU per call measured).
-    with sdpa_kernel(_SPARSE_BACKENDS):
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    if terms.plain:
+        # Not cuDNN: its attention rebuilds a graph for every new key count (2 ms of CPU per call measured).
+        with sdpa_kernel(_SPARSE_BACKENDS):
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    else:
+        out = _attention_with_terms(folded, keys, values, mask, scaling, terms, groups, q_len)
     return out.reshape(batch, num_q_heads, q_len, dim).transpose(1, 2).contiguous()
 
 
-def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float) -> torch.Tensor:
-    """`grouped_attention` of `query` `[B, Hq, T, D]` over the concatenated `parts`; returns `[B, T, Hq, D]`."""
+def _attention_with_terms(
+    folded: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    terms: LogitTerms,
+    groups: int,
+    q_len: int,
+) -> torch.Tensor:
+    """SDPA has neither soft-capping nor sinks: the softmax written out, in the order of the models' eager
+    attention (scale, cap, mask, sinks, fp32 softmax). `folded` `[B, Hkv, G*T, D]`; returns the same shape."""
+    logits = torch.matmul(folded, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, N]
+    if terms.softcap is not None:
+        logits = torch.tanh(logits / terms.softcap) * terms.softcap
+    logits = logits.float().masked_fill(~mask, torch.finfo(torch.float32).min)
+    if terms.sinks is not None:
+        # Query head h = kv·G + g (Transformers' `repeat_kv`), so the folded rows of KV head kv are (g, t) pairs.
+        sinks = terms.sinks.float().view(1, -1, groups, 1).expand(logits.shape[0], -1, -1, q_len)
+        logits = torch.cat([logits, sinks.reshape(*logits.shape[:3], 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    if terms.sinks is not None:
+        probs = probs[..., :-1]  # the sink's share of the mass attends to nothing
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: LogitTerms = NO_TERMS) -> torch.Tensor:
+    """`grouped_attention` of `query` `[B, Hq, T, D]` over the concatenated `parts` with the model's `terms`;
+    returns `[B, T, Hq, D]`."""
     batch, _, q_len, _ = query.shape
     heads = parts[0][0].shape[1]
     shape = (batch, heads, q_len)
     keys = torch.cat([k for k, _, _ in parts], dim=2)
     values = torch.cat([v for _, v, _ in parts], dim=2)
     mask = torch.cat([valid.expand(*shape, -1) for _, _, valid in parts], dim=-1)  # [B, Hkv, T, N]
-    return grouped_attention(query, keys, values, mask, scaling)
+    return grouped_attention(query, keys, values, mask, scaling, terms)
 
 
 def real_tokens(attention_mask: torch.Tensor | None, batch: int, slots: int, device: torch.device) -> torch.Tensor:

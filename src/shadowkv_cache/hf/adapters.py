@@ -10,10 +10,13 @@ which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (d
   cache's use scope: one thread at a time, and a call that raises leaves the cache as it was (hf/state.py);
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
-The wrapper sees the key as the attention module hands it to RoPE, so per-head norms applied before RoPE (Qwen3,
-Gemma 3 `k_norm`) are part of the recorded pre-RoPE key. Models with sliding-window layers (`config.layer_types`,
-Gemma 3) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
-are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers).
+The wrapper sees the key as the attention module hands it to RoPE, so norms applied before RoPE (Qwen3, Gemma 3
+`k_norm` per head; OLMo 2 over the whole projection) and clipping (OLMo `clip_qkv`) are part of the recorded pre-RoPE
+key. A layer without RoPE (SmolLM3, EXAONE 4 NoPE layers, `WITHOUT_ROPE`) never calls the wrapper: its keys reach the
+attention function as they are, and that is where its pre-RoPE keys are taken. Models with sliding-window layers
+(`config.layer_types`: Gemma 2 and 3, GPT-OSS, OLMo 3, ...) keep those layers exact (`sliding_windows`); only
+full-attention layers are compressed, and their keys are rebuilt with the full-attention layers' RoPE (Gemma 3 has
+another base for its local layers).
 
 The attention implementation is switched with Transformers' own `set_attn_implementation`, on a copy of the
 model's config that the patch gives the model: models built from one config object share it, and switching the
@@ -36,27 +39,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.rebuild_keys import IdentityRope, RopeFn
+from .architectures import SUPPORTED_ARCHITECTURES, check_supported, layers_without_rope, model_type_of, sliding_windows
 from .attention import register_attention
 from .step_context import ATTENTION_NAME, current_step
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
 
+# The architecture table and its per-model rules live in hf/architectures.py; re-exported for older imports.
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelAdapter",
     "ModelRope",
+    "check_supported",
+    "model_type_of",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
 ]
-
-# model_type -> the modeling module whose global `apply_rotary_pos_emb` the attention modules call.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "transformers.models.llama.modeling_llama",
-    "mistral": "transformers.models.mistral.modeling_mistral",
-    "qwen2": "transformers.models.qwen2.modeling_qwen2",
-    "qwen3": "transformers.models.qwen3.modeling_qwen3",
-    "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
-}
 
 
 @dataclass
@@ -69,6 +68,7 @@ class ModelAdapter:
     apply_rotary: Callable
     original_attn_implementation: str | None
     attention: dict[int, weakref.ref] = field(default_factory=dict)
+    without_rope: frozenset[int] = frozenset()  # layers whose attention applies no RoPE (`WITHOUT_ROPE`)
 
     @property
     def rope(self) -> ModelRope:
@@ -77,6 +77,10 @@ class ModelAdapter:
         # A rotary module with per-layer-type tables (Gemma 3: θ 1e6 global, 1e4 local) is asked for the global one.
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
+
+    def layer_rope(self, layer_idx: int) -> RopeFn:
+        """The RoPE of one compressed layer: the model's, or the identity where the layer applies none."""
+        return IdentityRope() if layer_idx in self.without_rope else self.rope
 
 
 class ModelRope:
@@ -147,52 +151,6 @@ def rotary_on(rotary_emb: nn.Module, device: torch.device) -> nn.Module:
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
 
 
-def model_type_of(model: nn.Module) -> str:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "model_type", type(model).__name__)
-
-
-def check_supported(model: nn.Module) -> str:
-    """The model's architecture name, or a `ValueError` listing the supported ones."""
-    model_type = model_type_of(model)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"ShadowKVCache does not support the '{model_type}' architecture yet. Supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Use transformers.DynamicCache for this model."
-        )
-    text = model.config.get_text_config()
-    if getattr(text, "use_bidirectional_attention", False):
-        # Sparse decoding assumes causal attention (the prompt never sees later tokens).
-        raise ValueError(
-            f"ShadowKVCache needs causal attention; this {model_type} model has use_bidirectional_attention=True "
-            "(an encoder such as EmbeddingGemma). Use it without a cache."
-        )
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        # SDPA (the model's own and the sparse step) has no logit soft-capping, so results would differ from eager.
-        raise ValueError(
-            f"ShadowKVCache does not support attention logit soft-capping (attn_logit_softcapping="
-            f"{text.attn_logit_softcapping}); set it to None or use DynamicCache with eager attention."
-        )
-    sliding_windows(text)  # unknown layer types raise here, before anything is patched
-    return model_type
-
-
-def sliding_windows(text_config: Any) -> list[int | None]:
-    """Per layer: the sliding window of a `sliding_attention` layer (kept exact, never compressed), else `None`.
-
-    Read from `config.layer_types` (Gemma 3: five local layers per global one); a config without it has only
-    full-attention layers here.
-    """
-    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(
-            f"ShadowKVCache does not support layer types {unknown} (config.layer_types); it handles "
-            "'full_attention' (compressed) and 'sliding_attention' (kept exact). Use DynamicCache for this model."
-        )
-    return [text_config.sliding_window if t == "sliding_attention" else None for t in layer_types]
-
-
 # One patch or unpatch at a time: two threads that make the first cache of one model must patch it once.
 _PATCH_LOCK = threading.RLock()
 _RECORD = "_shadowkv_patch"  # instance attribute of a patched model: its configs before and after patching
@@ -232,6 +190,7 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             apply_rotary=original_rotary,
             original_attn_implementation=model.config._attn_implementation,
             attention={module.layer_idx: weakref.ref(module) for module in attention},
+            without_rope=layers_without_rope(model_type, attention),
         )
         try:
             original = model.config

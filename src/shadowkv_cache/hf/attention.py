@@ -5,6 +5,10 @@ Legend: B batch, Hq query heads, T query tokens, D head dim.
 Uncompressed layers (and any other cache) get exactly SDPA. On a ShadowKV layer's first long fill the
 prompt is attended exactly and then compressed, right after this layer's attention, so the full K/V of
 all layers never coexist. Later steps attend over the sparse set.
+
+Models whose attention is not plain softmax pass what differs to the attention function: Gemma 2 its logit
+soft-capping (`softcap`), GPT-OSS its attention sinks (`s_aux`). Both go into `LogitTerms`, and every path applies
+them: exact attention written out (SDPA has neither) where SDPA would run, and the sparse step over the selected set.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..core.attention import LogitTerms, grouped_attention
+from ..ops.rebuild_keys import IdentityRope
 from .layer import CompressedLayer
 from .step_context import ATTENTION_NAME, current_step
 
@@ -37,26 +43,65 @@ def shadowkv_attention(
     step = current_step()
     layers = getattr(step.cache, "layers", None) if step is not None else None
     layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
-    if not isinstance(layer, CompressedLayer):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    terms = LogitTerms(kwargs.pop("softcap", None), kwargs.pop("s_aux", None))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if layer.is_compressed:
-        return layer.sparse_attention(query, attention_mask, scaling), None
+    if isinstance(layer, CompressedLayer) and layer.is_compressed:
+        return layer.sparse_attention(query, attention_mask, scaling, terms), None
+    if terms.plain:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    else:
+        out = _exact_attention(query, key, value, attention_mask, scaling, terms)
+    if not isinstance(layer, CompressedLayer):
+        return out, None
 
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     q_len = query.shape[2]
     first_fill = layer.get_seq_length() == q_len
     if first_fill and q_len < layer.config.min_compress_len:
         _note_kept_exact(step.cache, q_len, layer.config.min_compress_len)
     if first_fill and q_len >= layer.config.min_compress_len:
-        if step.pre_rope_keys is None or step.position_ids is None:
-            raise RuntimeError(
-                "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
-                f"{module.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
-            )
-        layer.compress(step.pre_rope_keys, step.position_ids, attention_mask, query=query, scaling=scaling)
-    return out
+        keys_pre = _pre_rope_keys(step, layer, key)
+        layer.compress(keys_pre, step.position_ids, attention_mask, query=query, scaling=scaling)
+    return out, None
+
+
+def _pre_rope_keys(step, layer: CompressedLayer, key: torch.Tensor) -> torch.Tensor:
+    """The layer's keys before RoPE `[B, Hkv, S, D]`: what the rotary wrapper recorded, or, in a layer without RoPE
+    (`IdentityRope`, hf/architectures.py), the keys as the attention module handed them to the cache, which is
+    what `key` holds here. A mode that keeps post-RoPE keys only (YAKV) gets those."""
+    rope = getattr(layer.mode, "rope", None)
+    without_rope = rope is None or isinstance(rope, IdentityRope)
+    if step.position_ids is None or (not without_rope and step.pre_rope_keys is None):
+        raise RuntimeError(
+            "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
+            f"{step.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
+        )
+    if isinstance(rope, IdentityRope) and step.pre_rope_keys is not None:
+        # Marked as a layer without RoPE, yet it applied RoPE: rebuilding without it would give other keys.
+        raise RuntimeError(
+            f"Layer {step.layer_idx} applied RoPE although ShadowKVCache counts it as a layer without RoPE "
+            "(WITHOUT_ROPE in shadowkv_cache/hf/architectures.py disagrees with the model). Use DynamicCache."
+        )
+    return key if without_rope else step.pre_rope_keys
+
+
+def _exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    terms: LogitTerms,
+) -> torch.Tensor:
+    """What the model's eager attention computes with soft-capping or sinks: `query` `[B, Hq, T, D]` over `key`,
+    `value` `[B, Hkv, N, D]`, the queries being the last `T` of the `N` tokens. Returns `[B, T, Hq, D]`."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:  # the mask function leaves it out when causal order is all there is
+        mask = torch.ones((q_len, kv_len), dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
+    else:
+        mask = attention_mask[..., -kv_len:]
+        mask = mask if mask.dtype == torch.bool else mask == 0
+    return grouped_attention(query, key, value, mask, scaling, terms)
 
 
 def _note_kept_exact(cache, tokens: int, min_compress_len: int) -> None:

@@ -22,7 +22,8 @@ from ..shadowkv.mode import ShadowKVMode
 from ..stores.value_codecs import check_value_format
 from ..yakv.mode import YakvMode
 from . import microbatch
-from .adapters import check_supported, patch_model, sliding_windows
+from .adapters import patch_model
+from .architectures import check_supported, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
 from .prefill import prefill as prefill_document
@@ -43,10 +44,11 @@ class ShadowKVCache(CheckedUpdates, Cache):
     the device; the top tokens per KV head are fetched (design.md §4, `YakvMode`).
 
     Args:
-        model (`PreTrainedModel`): a supported causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text); it is
-            patched (attention function, rotary hook) reversibly, see `shadowkv_cache.unpatch_model`. Layers of
-            type `sliding_attention` (`config.layer_types`) stay exact sliding-window layers (`SlidingLayer`);
-            only full-attention layers are compressed.
+        model (`PreTrainedModel`): a causal LM of a supported architecture (`SUPPORTED_ARCHITECTURES`: Llama,
+            Mistral, Qwen, Gemma, OLMo, Granite, GPT-OSS, ...); it is patched (attention function, rotary hook)
+            reversibly, see `shadowkv_cache.unpatch_model`. Layers of type `sliding_attention`
+            (`config.layer_types`) stay exact sliding-window layers (`SlidingLayer`); only full-attention layers are
+            compressed.
         config (`ShadowKVConfig`, *optional*): settings; the paper's defaults scaled to the model when omitted.
         policy (`SelectionPolicy`, *optional*, defaults to `LandmarkTopK()`, or `QuantizedKeyTopK()` in YAKV
             mode): how chunks (YAKV: tokens) are scored.
@@ -115,12 +117,14 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._graphs = GraphSwitch()  # off for this cache once a capture fails
         self.notices = Notices()  # what this cache has told its user (logger "shadowkv_cache")
 
-        def mode():
-            return YakvMode(config, self.policy) if yakv else ShadowKVMode(config, self.policy, adapter.rope)
+        def mode(layer_idx: int):
+            if yakv:
+                return YakvMode(config, self.policy)
+            return ShadowKVMode(config, self.policy, adapter.layer_rope(layer_idx))
 
         layers = [
-            CompressedLayer(mode(), self._graphs) if window is None else SlidingLayer(window)
-            for window in sliding_windows(text_config)
+            CompressedLayer(mode(i), self._graphs) if window is None else SlidingLayer(window)
+            for i, window in enumerate(sliding_windows(text_config))
         ]
         super().__init__(layers=layers)
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from ..config import AUTO_QUERIES, ShadowKVConfig
-from ..core.attention import Part, new_token_mask, new_token_validity, real_queries, real_tokens
+from ..core.attention import NO_TERMS, LogitTerms, Part, new_token_mask, new_token_validity, real_queries, real_tokens
 from ..ops.loader import kernels_available
 from ..stores.token_buffer import TokenBuffer
 from .decode_graph import DecodeGraph, GraphSwitch, capture_or_none
@@ -42,7 +42,7 @@ class LayerMode(Protocol):
     def drop_decode_state(self) -> None: ...
     def select_rows(self, index: torch.Tensor) -> None: ...
     def graph_key(self) -> tuple: ...
-    def attend(self, query, scaling, query_mask, new_tokens: Part) -> torch.Tensor: ...
+    def attend(self, query, scaling, query_mask, new_tokens: Part, terms: LogitTerms = NO_TERMS) -> torch.Tensor: ...
     def hit_counts(self) -> tuple[int, int] | None: ...
     def sizes(self) -> tuple[int | None, int]: ...
     def nbytes(self) -> tuple[int, int]: ...
@@ -241,17 +241,21 @@ class CompressedLayer(DynamicLayer):
     # -- sparse attention at decode ------------------------------------------------------------------------
 
     def sparse_attention(
-        self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        terms: LogitTerms = NO_TERMS,
     ) -> torch.Tensor:
         """Exact attention of `query` (`[B, Hq, T, D]`) over what the mode selects of the prompt and the tokens
-        after it. Called after `update` appended this step's keys and values. Returns `[B, T, Hq, D]` like the
-        Transformers attention functions."""
+        after it, with the model's soft-capping or sinks (`terms`). Called after `update` appended this step's keys
+        and values. Returns `[B, T, Hq, D]` like the Transformers attention functions."""
         q_len = query.shape[2]
         if q_len > 1:
             real = new_token_validity(attention_mask, self.prompt.slots, self.new.length, q_len, query.device)
             if real is not None:
                 self.new.mark(real)
-            return self._attend(query, attention_mask, scaling)
+            return self._attend(query, attention_mask, scaling, terms)
         if not (
             self.mode.graph_safe
             and self.graphs.enabled
@@ -259,26 +263,29 @@ class CompressedLayer(DynamicLayer):
             and query.is_cuda
             and kernels_available(query.device)
         ):
-            return self._attend(query, None, scaling)
-        key = (query.shape, query.dtype, scaling, *self.mode.graph_key(), self.new.keys.data_ptr())
+            return self._attend(query, None, scaling, terms)
+        key = (query.shape, query.dtype, scaling, terms.key(), *self.mode.graph_key(), self.new.keys.data_ptr())
         if self._graph is None or self._graph.key != key:
             self._graph = None
             if not self._graph_ready:  # the first step runs eagerly: it loads kernels and makes workspaces
                 self._graph_ready = True
-                return self._attend(query, None, scaling)
-            self._graph = capture_or_none(lambda q: self._attend(q, None, scaling), query, key)
+                return self._attend(query, None, scaling, terms)
+            self._graph = capture_or_none(lambda q: self._attend(q, None, scaling, terms), query, key)
             if self._graph is None:
                 self.graphs.disable()
-                return self._attend(query, None, scaling)
+                return self._attend(query, None, scaling, terms)
         return self._graph(query)
 
-    def _attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def _attend(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, terms: LogitTerms
+    ) -> torch.Tensor:
         """The step itself; on one-token steps it reads only tensors whose addresses persist (graph-safe)."""
         return self.mode.attend(
             query,
             scaling,
             real_queries(attention_mask, self.prompt.slots, self.new.length, query),
             self._new_tokens(query, attention_mask),
+            terms,
         )
 
     def _new_tokens(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> Part:

@@ -18,12 +18,24 @@ import torch
 
 from .loader import kernels_available, load_kernels
 
-__all__ = ["RopeFn", "rebuild_keys", "rebuild_missed_keys"]
+__all__ = ["IdentityRope", "RopeFn", "rebuild_keys", "rebuild_missed_keys"]
 
 # (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D], on the keys' device. The kernel path also
 # needs `inv_freq_on(device)` ([D/2] fp32 on that device) and `attention_scaling` (float) of a rotate-half RoPE (see
 # hf/adapters.py's `ModelRope`).
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class IdentityRope:
+    """The `RopeFn` of a layer without RoPE (NoPE, e.g. every fourth SmolLM3 layer): keys come back as they are.
+
+    It has no `inv_freq`, so `rebuild_missed_keys` never launches the RoPE kernel for it: on an accelerator the
+    fixed-size path writes `A·B` into the missed slots (no host synchronisation, so still graph-safe).
+    """
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return keys
+
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

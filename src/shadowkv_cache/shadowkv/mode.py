@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.attention import Part, attend_parts
+from ..core.attention import NO_TERMS, LogitTerms, Part, attend_parts
 from ..ops.rebuild_keys import RopeFn
 from ..policies.base import SelectionPolicy
 from .prompt import CompressedPrompt, compress_prompt
@@ -97,7 +97,12 @@ class ShadowKVMode:
         return id(self.prompt), id(self.temporal)
 
     def attend(
-        self, query: torch.Tensor, scaling: float, query_mask: torch.Tensor | None, new_tokens: Part
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        query_mask: torch.Tensor | None,
+        new_tokens: Part,
+        terms: LogitTerms = NO_TERMS,
     ) -> torch.Tensor:
         """Exact attention of `query` (`[B, Hq, T, D]`) over outliers + selected (or, on a dense multi-token step,
         all) chunks + local window + `new_tokens`; `query_mask` (`[B, T]`, *optional*) marks a multi-token step's
@@ -125,7 +130,7 @@ class ShadowKVMode:
             (prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]),
             new_tokens,
         ]
-        return attend_parts(query, parts, scaling)
+        return attend_parts(query, parts, scaling, terms)
 
     def _whole_prompt(self, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every selectable chunk, for a multi-token step: keys `[B, Hkv, Tc, D]` rebuilt from the factors at

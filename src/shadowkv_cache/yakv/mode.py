@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.attention import Part, attend_parts
+from ..core.attention import NO_TERMS, LogitTerms, Part, attend_parts
 from ..ops.gather_dequant import dequant_records, gather_dequant
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
@@ -91,7 +91,12 @@ class YakvMode:
         return (id(self.prompt),)
 
     def attend(
-        self, query: torch.Tensor, scaling: float, query_mask: torch.Tensor | None, new_tokens: Part
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        query_mask: torch.Tensor | None,
+        new_tokens: Part,
+        terms: LogitTerms = NO_TERMS,
     ) -> torch.Tensor:
         """Exact attention of `query` (`[B, Hq, T, D]`) over the selected (dequantised) tokens, or every token on a
         dense multi-token step, the recent window and `new_tokens`. Returns `[B, T, Hq, D]`."""
@@ -121,7 +126,7 @@ class YakvMode:
             (prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]),
             new_tokens,
         ]
-        return attend_parts(query, parts, scaling)
+        return attend_parts(query, parts, scaling, terms)
 
     def _whole_prompt(
         self, batch: int, dim: int, dtype: torch.dtype, device: torch.device
