@@ -11,9 +11,17 @@ which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (d
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
 The wrapper sees the key as the attention module hands it to RoPE, so per-head norms applied before RoPE (Qwen3,
-Gemma 3 `k_norm`) are part of the recorded pre-RoPE key. Models with sliding-window layers (`config.layer_types`,
-Gemma 3) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
-are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers).
+Gemma 3 `k_norm`, Cohere, StableLM) are part of the recorded pre-RoPE key. Phi and StableLM hand RoPE only the
+rotary part of the key; the other dims pass through RoPE unchanged, so the full pre-RoPE key is completed from the
+post-RoPE key (`ModelRope.pre_rope_keys`). Models with sliding-window layers (`config.layer_types`, Gemma 3,
+Cohere 2) keep those layers exact (`sliding_windows`); only full-attention layers are compressed, and their keys
+are rebuilt with the full-attention layers' RoPE (Gemma 3 has another base for its local layers; Cohere 2's global
+layers apply none).
+
+How a model's RoPE lays out a head (`RopeLayout`: how many dims rotate, paired as halves or interleaved) is read
+from the model itself: the rotary module's `inv_freq` gives the rotated dims, and the pairing is whichever of the
+two known forms reproduces the model's own `apply_rotary_pos_emb` on a probe (`ModelRope`). The CUDA key rebuild
+computes RoPE from that layout; a RoPE of neither form is rebuilt through the model's own function.
 
 The attention implementation is switched with Transformers' own `set_attn_implementation`, on a copy of the
 model's config that the patch gives the model: models built from one config object share it, and switching the
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.rebuild_keys import RopeLayout, rope_reference
 from .attention import register_attention
 from .step_context import ATTENTION_NAME, current_step
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
@@ -44,6 +53,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelAdapter",
     "ModelRope",
+    "key_dims",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
@@ -56,6 +66,23 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "transformers.models.qwen2.modeling_qwen2",
     "qwen3": "transformers.models.qwen3.modeling_qwen3",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+    # Partial rotary (the first `partial_rotary_factor` of each head's dims rotate).
+    "phi": "transformers.models.phi.modeling_phi",
+    "phi3": "transformers.models.phi3.modeling_phi3",
+    "stablelm": "transformers.models.stablelm.modeling_stablelm",
+    "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox",
+    # Interleaved rotary (pairs of adjacent dims; GLM also partial).
+    "glm": "transformers.models.glm.modeling_glm",
+    "glm4": "transformers.models.glm4.modeling_glm4",
+    "cohere": "transformers.models.cohere.modeling_cohere",
+    "cohere2": "transformers.models.cohere2.modeling_cohere2",
+}
+
+# model_type -> which attention modules apply no RoPE, decided as the module's forward decides it. Cohere 2 rotates
+# only in its sliding-window layers (`if self.sliding_window is not None: apply_rotary_pos_emb`); its global layers
+# attend without positions. Such a layer is compressed all the same, with an identity RoPE.
+_WITHOUT_ROPE: dict[str, Callable[[nn.Module], bool]] = {
+    "cohere2": lambda attention: attention.sliding_window is None,
 }
 
 
@@ -69,8 +96,9 @@ class ModelAdapter:
     apply_rotary: Callable
     original_attn_implementation: str | None
     attention: dict[int, weakref.ref] = field(default_factory=dict)
+    without_rope: frozenset[int] = frozenset()  # layers whose attention applies no RoPE (Cohere 2's global ones)
 
-    @property
+    @functools.cached_property
     def rope(self) -> ModelRope:
         """The model's RoPE at given positions, as the key rebuild of the compressed (full-attention) layers
         needs it."""
@@ -78,18 +106,37 @@ class ModelAdapter:
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
 
+    def layer_rope(self, layer_idx: int) -> ModelRope:
+        """The RoPE of one compressed layer: the model's, or the identity where the layer applies none."""
+        return ModelRope.none() if layer_idx in self.without_rope else self.rope
+
 
 class ModelRope:
     """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way.
 
-    `inv_freq` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE in-kernel
-    (Llama-3 / YaRN scaling is already folded into them). `layer_type` names the table of a rotary module that
-    keeps one per layer type (Gemma 3's `Gemma3RotaryEmbedding`); `None` for the usual single table.
+    `inv_freq`, `attention_scaling` and `layout` let the CUDA key rebuild compute the same RoPE in-kernel (Llama-3 /
+    YaRN scaling is already folded into the first two; `layout` is None when the model's RoPE is of no form the
+    kernel knows). `layer_type` names the table of a rotary module that keeps one per layer type (Gemma 3's
+    `Gemma3RotaryEmbedding`); `None` for the usual single table. `ModelRope.none()` is the identity of a layer
+    without RoPE.
+
+    >>> rope = patch_model(model).rope  # doctest: +SKIP
+    >>> rope.layout  # doctest: +SKIP
+    RopeLayout(rotary_dim=8, interleaved=False)
     """
 
-    def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable, layer_type: str | None = None):
+    def __init__(
+        self, rotary_emb: nn.Module | None, apply_rotary: Callable | None, layer_type: str | None = None
+    ) -> None:
         self.rotary_emb, self.apply_rotary, self.layer_type = rotary_emb, apply_rotary, layer_type
         self._prefix = f"{layer_type}_" if layer_type else ""
+        # Probed once here, never inside a decode step (a CUDA graph capture must not synchronise).
+        self.layout: RopeLayout | None = RopeLayout(0) if rotary_emb is None else self._probe_layout()
+
+    @classmethod
+    def none(cls) -> ModelRope:
+        """The RoPE of a layer that applies none: keys pass through unchanged."""
+        return cls(None, None)
 
     @property
     def inv_freq(self) -> torch.Tensor | None:
@@ -100,10 +147,55 @@ class ModelRope:
         return float(getattr(self.rotary_emb, f"{self._prefix}attention_scaling", 1.0))
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rotary_emb is None:
+            return keys
         extra = (self.layer_type,) if self.layer_type else ()
         cos, sin = self.rotary_emb(keys, positions, *extra)
-        _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
-        return rotated[:, 0]
+        # cos/sin span the rotated dims only under partial rotary; Phi and StableLM slice the key before their
+        # `apply_rotary_pos_emb`, the others inside it, so slicing here serves both.
+        width = cos.shape[-1]
+        rotary, rest = keys[..., :width], keys[..., width:]
+        _, rotated = self.apply_rotary(rotary[:, None], rotary[:, None], cos, sin)
+        return torch.cat((rotated[:, 0], rest), dim=-1) if rest.shape[-1] else rotated[:, 0]
+
+    def pre_rope_keys(self, recorded: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
+        """The full pre-RoPE keys `[B, Hkv, S, D]` of a prefill, from what the rotary wrapper recorded and the
+        post-RoPE `keys`; None when the model should have rotated keys and the wrapper saw none.
+
+        A layer without RoPE has its keys as they are. A recorded key narrower than `keys` is the rotary part that
+        Phi and StableLM hand RoPE; the other dims pass through RoPE unchanged, so they are taken from `keys`.
+        """
+        if self.rotary_emb is None:
+            if recorded is not None:
+                raise RuntimeError(
+                    "ShadowKVCache expected a layer without RoPE, but the model rotated its keys: the adapter's rule "
+                    "for this architecture does not match its modeling code (report it with the Transformers version)."
+                )
+            return keys
+        if recorded is None or recorded.shape[-1] >= keys.shape[-1]:
+            return recorded
+        return torch.cat((recorded, keys[..., recorded.shape[-1] :]), dim=-1)
+
+    def _probe_layout(self) -> RopeLayout | None:
+        """The layout (rotated dims, pairing) under which `rope_reference` reproduces the model's RoPE, or None."""
+        inv_freq = self.inv_freq
+        if inv_freq is None or inv_freq.dim() != 1:
+            return None
+        device = inv_freq.device
+        rotary_dim = 2 * inv_freq.numel()
+        # A few positions well inside any model's range (a dynamic RoPE must not rescale), angles past 2π for the
+        # fastest pair, and one pass-through dim past the rotated ones to see that it is left alone.
+        gen = torch.Generator().manual_seed(0)
+        keys = torch.randn(1, 16, rotary_dim + 2, generator=gen).to(device)
+        positions = torch.arange(1, 17, device=device)[None] * 3
+        with torch.no_grad():
+            expected = self(keys, positions).float()
+            for interleaved in (False, True):
+                layout = RopeLayout(rotary_dim, interleaved)
+                got = rope_reference(keys, positions, inv_freq, self.attention_scaling, layout).float()
+                if torch.allclose(got, expected, rtol=1e-3, atol=1e-3):  # a wrong pairing is off by O(1)
+                    return layout
+        return None
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
@@ -137,6 +229,13 @@ def check_supported(model: nn.Module) -> str:
         )
     sliding_windows(text)  # unknown layer types raise here, before anything is patched
     return model_type
+
+
+def key_dims(text_config: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of a text config. GPT-NeoX configs name no KV heads: every query head has its own."""
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, head_dim
 
 
 def sliding_windows(text_config: Any) -> list[int | None]:
@@ -194,7 +293,9 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             apply_rotary=original_rotary,
             original_attn_implementation=model.config._attn_implementation,
             attention={module.layer_idx: weakref.ref(module) for module in attention},
+            without_rope=frozenset(m.layer_idx for m in attention if _WITHOUT_ROPE.get(model_type, _never)(m)),
         )
+        adapter.rope  # noqa: B018 - probes the layout now, while a failure leaves the model untouched
         try:
             original = model.config
             patched = copy.deepcopy(original)
@@ -256,6 +357,10 @@ def _swap_configs(model: nn.Module, old: Any, new: Any) -> None:
         current = vars(module).get("config")
         if current is not None and pairs.get(id(current), (None,))[0] is current:
             module.config = pairs[id(current)][1]
+
+
+def _never(attention: nn.Module) -> bool:
+    return False
 
 
 def _recording_rotary(original: Callable) -> Callable:

@@ -50,12 +50,14 @@ def shadowkv_attention(
     if first_fill and q_len < layer.config.min_compress_len:
         _note_kept_exact(step.cache, q_len, layer.config.min_compress_len)
     if first_fill and q_len >= layer.config.min_compress_len:
-        if step.pre_rope_keys is None or step.position_ids is None:
+        rope = getattr(layer.mode, "rope", None)  # None: the mode keeps post-RoPE keys only (YAKV)
+        keys_pre = key if rope is None else rope.pre_rope_keys(step.pre_rope_keys, key)
+        if keys_pre is None or step.position_ids is None:
             raise RuntimeError(
                 "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
                 f"{module.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
             )
-        layer.compress(step.pre_rope_keys, step.position_ids, attention_mask, query=query, scaling=scaling)
+        layer.compress(keys_pre, step.position_ids, attention_mask, query=query, scaling=scaling)
     return out
 
 

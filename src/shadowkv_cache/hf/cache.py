@@ -21,7 +21,7 @@ from ..shadowkv.mode import ShadowKVMode
 from ..stores.value_codecs import check_value_format
 from ..yakv.mode import YakvMode
 from . import microbatch
-from .adapters import check_supported, patch_model, sliding_windows
+from .adapters import check_supported, key_dims, patch_model, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
 from .prefill import SLIDING_PREFIX, refuse_sliding_prefix
@@ -92,10 +92,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
             )
         check_supported(model)
         text_config = model.config.get_text_config()
-        head_dim = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
-        config.validate(key_dim=text_config.num_key_value_heads * head_dim, head_dim=head_dim)
+        kv_heads, head_dim = key_dims(text_config)
+        config.validate(key_dim=kv_heads * head_dim, head_dim=head_dim)
         check_value_format(config.value_format, head_dim)
         if policy is not None and not isinstance(policy, SelectionPolicy):
             raise TypeError(f"policy must be a SelectionPolicy, got {type(policy).__name__}.")
@@ -114,12 +112,14 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._graphs = GraphSwitch()  # off for this cache once a capture fails
         self.notices = Notices()  # what this cache has told its user (logger "shadowkv_cache")
 
-        def mode():
-            return YakvMode(config, self.policy) if yakv else ShadowKVMode(config, self.policy, adapter.rope)
+        def mode(layer_idx: int):
+            if yakv:
+                return YakvMode(config, self.policy)
+            return ShadowKVMode(config, self.policy, adapter.layer_rope(layer_idx))
 
         layers = [
-            CompressedLayer(mode(), self._graphs) if window is None else SlidingLayer(window)
-            for window in sliding_windows(text_config)
+            CompressedLayer(mode(i), self._graphs) if window is None else SlidingLayer(window)
+            for i, window in enumerate(sliding_windows(text_config))
         ]
         super().__init__(layers=layers)
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved

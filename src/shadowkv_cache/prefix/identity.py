@@ -180,7 +180,9 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's text config."""
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+    # GPT-NeoX configs name no KV heads: every query head has its own keys.
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:
