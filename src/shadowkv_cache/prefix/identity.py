@@ -32,6 +32,7 @@ __all__ = [
     "forget_model_identity",
     "hash_tensor_into",
     "identity_weights",
+    "key_projection",
     "kv_dtype_and_devices",
     "model_dims",
     "model_identity",
@@ -99,7 +100,7 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     """The model's decoder layers: the `ModuleList` of `num_layers` modules that hold its attention modules."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            if all(any(hasattr(m, "layer_idx") and hasattr(m, "k_proj") for m in layer.modules()) for layer in module):
+            if all(any(key_projection(m) is not None for m in layer.modules()) for layer in module):
                 return list(module)
     raise PrefixCacheError(f"{type(model).__name__} has no list of {num_layers} decoder layers to identify it by.")
 
@@ -176,6 +177,18 @@ def model_identity(model: nn.Module) -> dict:
     }
 
 
+# An attention module's key projection: its own, or the fused QKV one of Phi-3 and GPT-NeoX.
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def key_projection(module: nn.Module) -> nn.Module | None:
+    """The key projection of an attention module (one with a `layer_idx`), else None."""
+    if not hasattr(module, "layer_idx"):
+        return None
+    projection = next((getattr(module, n) for n in _KEY_PROJECTIONS if hasattr(module, n)), None)
+    return projection if isinstance(projection, nn.Module) else None
+
+
 def model_dims(model: nn.Module) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's text config."""
     text = model.config.get_text_config()
@@ -186,12 +199,13 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:
-    """The dtype keys and values come in (that of the first layer's `k_proj`), and the device of each layer's
+    """The dtype keys and values come in (that of the first layer's key projection), and the device of each layer's
     attention."""
     weights = {}
     for module in model.modules():
-        if hasattr(module, "layer_idx") and isinstance(getattr(module, "k_proj", None), nn.Module):
-            weights[module.layer_idx] = module.k_proj.weight
+        projection = key_projection(module)
+        if projection is not None:
+            weights[module.layer_idx] = projection.weight
     if not weights:
         raise PrefixCacheError(f"{type(model).__name__} has no k_proj weights to take the keys' dtype from.")
     dtype = weights[min(weights)].dtype
