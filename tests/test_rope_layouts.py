@@ -30,6 +30,7 @@ from helpers import (
 )
 from test_exactness import assert_full_selection_ran, rebuilt_chunks  # noqa: F401 (a fixture)
 from test_reachability import assert_every_token_reachable_once
+from test_yakv import quantised_reference, yakv
 
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.hf.adapters import SUPPORTED_ARCHITECTURES, patch_model
@@ -207,6 +208,20 @@ def test_full_budget_prefix_file_matches_dynamic_cache(prefix_case, tmp_path):
     assert torch.equal(out.sequences, ref.sequences)
     assert_logits_close(out.logits, ref.logits)
     assert loaded.memory_report().hit_rate is not None  # selection and rebuild ran
+
+
+@pytest.mark.parametrize("yakv_case", [c for c in CASES if c != "cohere2"])  # the reference quantises every layer
+def test_yakv_full_budget_matches_the_quantised_reference(yakv_case):
+    """YAKV keeps post-RoPE keys, so it needs no layout; it must still run on these attention modules (fused QKV,
+    `layer_past`, partial rotary) and give the quantised-prompt reference."""
+    model = case_model(yakv_case)
+    ids = random_prompt(300, seed=5)
+    cache = ShadowKVCache(model, **yakv())
+    out = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
+    ref_tokens, ref_logits = quantised_reference(model, ids, NEW_TOKENS)
+    assert torch.equal(out.sequences[:, 300:], ref_tokens)
+    assert_logits_close(out.logits, ref_logits)
+    assert all(layer.is_compressed and layer.mode.sparse_steps == NEW_TOKENS - 1 for layer in cache.layers)
 
 
 # -- the same on CUDA, where the key rebuild runs the kernel's layout-aware RoPE --------------------------------
