@@ -245,3 +245,4 @@ def test_full_budget_exact_on_cuda(case, graphs):
     for _, layer in compressed_layers(cache):
         assert layer.is_compressed and layer.mode.temporal.keys.is_cuda
         assert int(layer.mode.temporal.lookups) > int(layer.mode.temporal.hits)
+        assert (layer._graph is not None) == graphs  # a failed capture would have fallen back to eager silently

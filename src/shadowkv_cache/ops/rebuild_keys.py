@@ -173,7 +173,8 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
     batch, heads, num_slots, c, dim = keys.shape
     pre = _slot_products(ids, a, b, c)
     if layout.rotary_dim == 0:  # a layer without RoPE: the kernel never reads the frequencies
-        inv_freq = torch.zeros(1)
+        # Made on the device: a copy from the host inside a CUDA graph capture would fail the capture.
+        inv_freq = torch.zeros(1, device=keys.device)
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
     kernels.launch(
