@@ -112,6 +112,18 @@ def test_unknown_layout_falls_back_to_the_models_rope():
     assert odd.layout is None
 
 
+def test_a_wrong_rule_for_layers_without_rope_raises(monkeypatch):
+    """If a layer declared without RoPE (adapters._WITHOUT_ROPE) rotates its keys after all, compressing it would
+    rebuild keys without positions: the cache raises at prefill instead, and stays empty."""
+    model = make_tiny_model("cohere")  # every layer rotates
+    adapter = patch_model(model)
+    monkeypatch.setattr(adapter, "without_rope", frozenset({0}))
+    cache = ShadowKVCache(model, **exact_overrides())
+    with pytest.raises(RuntimeError, match="expected a layer without RoPE"):
+        forward_with(model, random_prompt(100), cache)
+    assert cache.get_seq_length() == 0
+
+
 @pytest.mark.parametrize("length", [300, 301])
 def test_full_budget_matches_dynamic_cache(case, length, rebuilt_chunks):  # noqa: F811
     model = case_model(case)
