@@ -8,6 +8,8 @@ Every tiny model has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), h
 full attention alternating, a 16-token sliding window and `query_pre_attn_scalar` 32 (scaling 1/√32, not 1/√D).
 Other architectures' settings (`_ARCH_CONFIG`): 4 alternating layers where the model mixes local and global
 attention, 4 experts of width 32 for MoE MLPs, NoPE layers, soft-capping and clipping strong enough to matter.
+The RoPE-layout architectures (`_ARCH_CONFIG`, test_rope_layouts.py) keep these sizes where the config allows;
+GPT-NeoX has 4 KV heads (no GQA) and the tiny Cohere 2 has Gemma 3's four-layer mix.
 """
 
 from __future__ import annotations
@@ -112,6 +114,22 @@ _ARCH_CONFIG = {
     "afmoe": {**_ALTERNATING, **_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "num_shared_experts": 1},
     "olmo": {"clip_qkv": 1.0},
     "granite": {"attention_multiplier": 0.2},  # scaling 0.2 instead of 1/sqrt(D)
+    # RoPE layouts other than Llama's rotate-half over the whole head (test_rope_layouts.py). Per-head key norms
+    # and biases on where the config offers them, so the recorded pre-RoPE keys include them.
+    "phi": {"partial_rotary_factor": 0.5, "qk_layernorm": True},  # rotate-half on 8 of 16 dims
+    "phi3": {},  # rotate-half on the whole head, fused qkv projection
+    "stablelm": {"partial_rotary_factor": 0.25, "qk_layernorm": True, "use_qkv_bias": True},  # 4 of 16 dims
+    # GPT-NeoX has no GQA (every query head has its keys): 4 KV heads, so Hkv*D = 64. Fused qkv, 4 of 16 dims.
+    "gpt_neox": {"num_key_value_heads": NUM_HEADS, "partial_rotary_factor": 0.25},
+    "glm": {"partial_rotary_factor": 0.5},  # interleaved pairs on 8 of 16 dims
+    "glm4": {"partial_rotary_factor": 0.5},
+    "cohere": {"use_qk_norm": True},  # interleaved pairs on the whole head
+    # Sliding layers rotate (interleaved); the global layers apply no RoPE.
+    "cohere2": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": SLIDING_WINDOW,
+    },
 }
 
 

@@ -39,13 +39,17 @@ from shadowkv_cache import SUPPORTED_ARCHITECTURES, ShadowKVCache, ShadowKVConfi
 from shadowkv_cache.core.attention import LogitTerms, grouped_attention
 from shadowkv_cache.hf import architectures
 from shadowkv_cache.hf.layer import CompressedLayer
-from shadowkv_cache.ops.rebuild_keys import IdentityRope
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 ARCHITECTURES = sorted(SUPPORTED_ARCHITECTURES)
 NEW_TOKENS = 8
 LENGTH = 163  # not a multiple of the chunk size (8): a ragged tail
+
+
+def full_rank_overrides(**changes) -> dict:
+    """`full_budget_overrides` at the full rank of any architecture (a share of 1: GPT-NeoX's `Hkv*D` is 64, not 32)."""
+    return full_budget_overrides(rank=1.0, **changes)
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -112,7 +116,7 @@ def assert_every_chunk_selected(cache: ShadowKVCache, decode_steps: int) -> int:
 def test_full_budget_matches_dynamic_cache(model, rebuilt_chunks):
     ids = random_prompt(LENGTH, seed=1)
     ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
-    cache = ShadowKVCache(model, **full_budget_overrides())
+    cache = ShadowKVCache(model, **full_rank_overrides())
     got = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
 
     assert torch.equal(got.sequences, ref.sequences), (got.sequences[:, -NEW_TOKENS:], ref.sequences[:, -NEW_TOKENS:])
@@ -144,7 +148,7 @@ def test_every_prompt_token_reachable_once(model):
     rows = [random_prompt(n, seed=20 + i)[0] for i, n in enumerate(lengths)]
     ids, mask = left_pad(rows)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left-padded rows
-    overrides = full_budget_overrides(outlier_chunks=3)
+    overrides = full_rank_overrides(outlier_chunks=3)
     config = ShadowKVConfig(**overrides)
     reference = dynamic_cache(model)
     forward_with(model, ids, reference, attention_mask=mask, position_ids=positions)
@@ -163,7 +167,7 @@ def test_every_prompt_token_reachable_once(model):
 def test_second_turn_matches_dynamic_cache(model):
     """A new chat turn (a multi-token step over the compressed prompt), then decoding, equals `DynamicCache`."""
     ids, turn = random_prompt(LENGTH, seed=3), random_prompt(7, seed=4)
-    caches = {"dynamic": dynamic_cache(model), "shadowkv": ShadowKVCache(model, **full_budget_overrides())}
+    caches = {"dynamic": dynamic_cache(model), "shadowkv": ShadowKVCache(model, **full_rank_overrides())}
     results = {}
     for name, cache in caches.items():
         # No generated pad id: `generate` would mask it out of the second turn's ids as padding.
@@ -188,13 +192,13 @@ def test_layers_without_rope_compress_and_rebuild_without_it(arch, nope):
     `test_every_prompt_token_reachable_once`, which rebuilds with the layer's own rope)."""
     model = make_tiny_model(arch)
     ids = random_prompt(LENGTH, seed=5)
-    cache = ShadowKVCache(model, **full_budget_overrides())
+    cache = ShadowKVCache(model, **full_rank_overrides())
     generate_with(model, ids, cache, max_new_tokens=2)
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, CompressedLayer):
             continue
         assert layer.is_compressed
-        assert isinstance(layer.mode.rope, IdentityRope) == (i in nope), i
+        assert (layer.mode.rope.rotary_emb is None) == (i in nope), i
 
 
 def test_a_rope_layer_counted_without_rope_raises(monkeypatch):
@@ -202,8 +206,8 @@ def test_a_rope_layer_counted_without_rope_raises(monkeypatch):
     cache left empty."""
     model = make_tiny_model("smollm3")
     monkeypatch.setitem(architectures.WITHOUT_ROPE, "smollm3", lambda attention: attention.layer_idx in (1, 3))
-    cache = ShadowKVCache(model, **full_budget_overrides())
-    with pytest.raises(RuntimeError, match="applied RoPE"):
+    cache = ShadowKVCache(model, **full_rank_overrides())
+    with pytest.raises(RuntimeError, match="expected a layer without RoPE"):
         generate_with(model, random_prompt(100, seed=6), cache)
     assert cache.get_seq_length() == 0
 
@@ -260,7 +264,7 @@ def test_config_without_layer_types_follows_transformers_sliding_rule():
     model = make_tiny_model("mistral", sliding_window=SLIDING_WINDOW)
     ids = random_prompt(120, seed=8)
     ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=NEW_TOKENS)
-    cache = ShadowKVCache(model, **full_budget_overrides())
+    cache = ShadowKVCache(model, **full_rank_overrides())
     got = generate_with(model, ids, cache, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got.sequences, ref.sequences)
     assert_logits_close(got.logits, ref.logits)
@@ -306,7 +310,7 @@ def test_full_budget_exact_on_cuda(cuda_model):
     """Keys rebuilt on the device (the RoPE kernel, or no rotation in a NoPE layer), values from pinned memory."""
     ids = random_prompt(301).cuda()
     ref = generate_with(cuda_model, ids, dynamic_cache(cuda_model), max_new_tokens=16)
-    cache = ShadowKVCache(cuda_model, **full_budget_overrides())
+    cache = ShadowKVCache(cuda_model, **full_rank_overrides())
     got = generate_with(cuda_model, ids, cache, max_new_tokens=16)
     assert torch.equal(got.sequences, ref.sequences)
     assert_logits_close(got.logits, ref.logits, atol=1e-4)  # CUDA SDPA sums in another order (tests/test_gpu.py)
@@ -361,6 +365,6 @@ def test_bf16_full_budget_is_close_on_cuda(gpu_arch):
     model = make_tiny_model(gpu_arch).to("cuda", torch.bfloat16)
     ids = random_prompt(301).cuda()
     ref = generate_with(model, ids, dynamic_cache(model), max_new_tokens=2)
-    got = generate_with(model, ids, ShadowKVCache(model, **full_budget_overrides()), max_new_tokens=2)
+    got = generate_with(model, ids, ShadowKVCache(model, **full_rank_overrides()), max_new_tokens=2)
     assert torch.equal(got.sequences, ref.sequences)
     torch.testing.assert_close(got.logits[1].float(), ref.logits[1].float(), rtol=0.05, atol=0.05)

@@ -21,7 +21,7 @@ from helpers import (
     random_prompt,
     small_budget_overrides,
 )
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 from transformers.models.llama import modeling_llama
 
 import shadowkv_cache
@@ -118,14 +118,12 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config).eval()
 
 
-def tiny_gpt_neox():
-    config = GPTNeoXConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64
-    )
-    return GPTNeoXForCausalLM(config).eval()
+def tiny_bloom():  # ALiBi: no RoPE, so no pre-RoPE keys to factorise
+    config = BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)
+    return BloomForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("make", [tiny_gpt2, tiny_gpt_neox], ids=["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_bloom], ids=["gpt2", "bloom"])
 def test_unsupported_architecture_lists_the_supported_ones(make):
     model = make()
     before = model.config._attn_implementation

@@ -21,6 +21,7 @@ from shadowkv_cache.ops import KERNELS
 from shadowkv_cache.ops import loader as kernel_loader
 from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
+from shadowkv_cache.ops.rebuild_keys import RopeLayout, rope_reference
 from shadowkv_cache.ops.score_codes import attention_scores
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
 from shadowkv_cache.quant import HiggsQuantizer
@@ -144,6 +145,63 @@ def test_gather_values_twin_reads_the_store_through_row_map():
             for k in range(7):
                 expected = data[rows[b], h, ids[b, h, k]] if miss[b, h, k] else torch.zeros(4, 5)
                 assert torch.equal(values[b, h, k], expected)
+
+
+# The RoPE layouts of the key-rebuild kernel, each with an architecture whose modeling file implements it:
+# (architecture, tiny-config overrides, layout, whether its attention hands RoPE the rotary dims only).
+ROPE_LAYOUTS = {
+    "rotate-half": ("llama", {}, RopeLayout(16), False),
+    "rotate-half-partial-sliced-inside": ("gpt_neox", {}, RopeLayout(4), False),
+    "rotate-half-partial-sliced-before": ("phi", {}, RopeLayout(8), True),
+    "interleaved-partial": ("glm", {}, RopeLayout(8, interleaved=True), False),
+    "interleaved": ("cohere", {}, RopeLayout(16, interleaved=True), False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_reference_is_the_models_own_rope(name, dtype):
+    """`rope_reference`, the RoPE `kernels/rebuild_keys.cu` computes, against the modeling module's own
+    `apply_rotary_pos_emb` with its rotary module's cos/sin, called the way its attention calls it."""
+    from helpers import make_tiny_model
+
+    from shadowkv_cache.hf.adapters import SUPPORTED_ARCHITECTURES
+
+    arch, overrides, layout, sliced_before = ROPE_LAYOUTS[name]
+    model = make_tiny_model(arch, **overrides)
+    rotary = model.base_model.rotary_emb
+    apply_rotary = importlib.import_module(SUPPORTED_ARCHITECTURES[arch]).apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 2, 40, 16, generator=gen).to(dtype)  # [B, Hkv, T, D]
+    positions = torch.randint(0, 100_000, (3, 40), generator=gen)
+    cos, sin = rotary(keys, positions)
+    r = cos.shape[-1]
+    if sliced_before:  # Phi and StableLM rotate `key[..., :rotary_ndims]` and concatenate the rest back
+        _, rotated = apply_rotary(keys[..., :r], keys[..., :r], cos, sin)
+        expected = torch.cat((rotated, keys[..., r:]), dim=-1)
+    else:
+        _, expected = apply_rotary(keys, keys, cos, sin)
+    got = rope_reference(keys, positions[:, None], rotary.inv_freq, rotary.attention_scaling, layout)
+    assert got.dtype == dtype
+    # The model rounds cos/sin to the keys' dtype before multiplying; the kernel keeps them in fp32.
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 4)
+    assert torch.equal(got[..., r:], keys[..., r:])
+    # The other pairing is far off: the layout matters.
+    other = RopeLayout(layout.rotary_dim, not layout.interleaved)
+    wrong = rope_reference(keys, positions[:, None], rotary.inv_freq, rotary.attention_scaling, other)
+    assert (wrong.float() - expected.float()).abs().max() > 0.5
+
+
+def test_rope_reference_without_rotary_dims_is_the_identity():
+    keys = torch.randn(2, 5, 16)
+    assert torch.equal(rope_reference(keys, torch.arange(5).expand(2, 5), torch.ones(0), 1.0, RopeLayout(0)), keys)
+
+
+@pytest.mark.parametrize("rotary_dim", [-2, 3])
+def test_rope_layout_refuses_an_odd_or_negative_rotary_dim(rotary_dim):
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        RopeLayout(rotary_dim)
 
 
 class FakePinning:

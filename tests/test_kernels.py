@@ -6,16 +6,18 @@ Legend: B batch, Hkv KV heads, K slots, C chunks, c chunk size, D head dim, Tc c
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from helpers import forward_with, make_tiny_model, random_prompt, small_budget_overrides
-from test_kernel_twins import random_scan_case
+from test_kernel_twins import ROPE_LAYOUTS, random_scan_case
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.hf.adapters import patch_model
+from shadowkv_cache.hf.adapters import ModelRope, patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
 from shadowkv_cache.ops.loader import kernels_available
-from shadowkv_cache.ops.rebuild_keys import IdentityRope, rebuild_keys, rebuild_missed_keys
+from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
 from shadowkv_cache.stores.value_store import HostValueStore
 
@@ -26,6 +28,7 @@ pytestmark = [
 ]
 
 CUDA = torch.device("cuda")
+rebuild_keys_op = importlib.import_module("shadowkv_cache.ops.rebuild_keys")  # `ops.rebuild_keys` is the twin
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
 
@@ -108,6 +111,48 @@ def test_rebuild_keys_kernel_matches_twin(dtype, batch, heads, slots, chunks, c,
     assert torch.equal(keys[~miss], before[~miss])  # hits untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", [*ROPE_LAYOUTS, "interleaved-partial-d128", "no-rope"])
+def test_rebuild_keys_kernel_follows_the_rope_layout(dtype, name, monkeypatch):
+    """Partial rotary (rotated dims first, the rest copied), interleaved pairs and layers without RoPE: the kernel
+    against the twin, which applies the model's own `apply_rotary_pos_emb` (`ModelRope`)."""
+    torch.manual_seed(0)
+    if name == "no-rope":
+        rope, dim = ModelRope.none(), 16
+    elif name == "interleaved-partial-d128":  # GLM-4's real shape: 64 of 128 dims rotate, in adjacent pairs
+        sizes = {"head_dim": 128, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+        model = make_tiny_model("glm", partial_rotary_factor=0.5, **sizes)
+        rope, dim = patch_model(model.cuda()).rope, 128
+    else:
+        arch, overrides, _, _ = ROPE_LAYOUTS[name]
+        rope, dim = patch_model(make_tiny_model(arch, **overrides).cuda()).rope, 16
+    assert rope.layout is not None
+    launches = []
+    launch = rebuild_keys_op._launch
+    monkeypatch.setattr(rebuild_keys_op, "_launch", lambda *args: launches.append(args[-1]) or launch(*args))
+
+    batch, heads, slots, chunks, c, rank = 2, 3, 13, 51, 8, min(13, dim)
+    tc = chunks * c
+    a = (torch.randn(batch, tc, rank, device=CUDA) / rank**0.5).to(dtype)
+    b = torch.randn(batch, rank, heads, dim, device=CUDA).to(dtype)
+    positions = (torch.arange(tc, device=CUDA) * 13 + 100_000)[None].expand(batch, tc).contiguous()
+    ids = torch.stack([torch.randperm(chunks, device=CUDA)[:slots] for _ in range(batch * heads)]).view(
+        batch, heads, slots
+    )
+    miss = torch.rand(batch, heads, slots, device=CUDA) < 0.6
+    before = torch.randn(batch, heads, slots, c, dim, device=CUDA).to(dtype)
+    keys = before.clone()
+    rebuild_missed_keys(keys, ids, miss, a, b, positions, rope)
+    assert launches == [rope.layout]
+
+    rows, hs, ss = miss.nonzero(as_tuple=True)
+    expected = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, ss], c, rope)
+    rtol, atol = TOLERANCE[dtype]
+    scale = expected.float().abs().amax().item()
+    torch.testing.assert_close(keys[rows, hs, ss].float(), expected.float(), rtol=rtol, atol=atol * scale)
+    assert torch.equal(keys[~miss], before[~miss])  # hits untouched
+
+
 def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
     """Rows that share one document hold stride-0 factors and positions: the same keys as private copies."""
     torch.manual_seed(0)
@@ -131,8 +176,8 @@ def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rebuild_without_rope_writes_the_products_into_the_misses(dtype):
-    """A layer without RoPE (`IdentityRope`, no `inv_freq`) takes the fixed-size device path, not the RoPE kernel:
-    missed slots get `A·B` of their chunk, as the twin gives them, and hits keep what they held."""
+    """A layer without RoPE (`ModelRope.none()`, layout `rotary_dim = 0`): missed slots get `A·B` of their chunk, as
+    the twin gives them, and hits keep what they held."""
     torch.manual_seed(0)
     batch, heads, slots, chunks, c, dim, rank = 2, 3, 13, 51, 8, 64, 24
     a = torch.randn(batch, chunks * c, rank, device=CUDA).to(dtype)
@@ -143,9 +188,9 @@ def test_rebuild_without_rope_writes_the_products_into_the_misses(dtype):
     miss = torch.rand(batch, heads, slots, device=CUDA) < 0.5
     before = torch.randn(batch, heads, slots, c, dim, device=CUDA).to(dtype)
     keys = before.clone()
-    rebuild_missed_keys(keys, ids, miss, a, b, positions, IdentityRope())
+    rebuild_missed_keys(keys, ids, miss, a, b, positions, ModelRope.none())
     rows, hs, ss = miss.nonzero(as_tuple=True)
-    expected = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, ss], c, IdentityRope())
+    expected = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, ss], c, ModelRope.none())
     rtol, atol = TOLERANCE[dtype]
     scale = expected.float().abs().amax().item()
     torch.testing.assert_close(keys[rows, hs, ss].float(), expected.float(), rtol=rtol, atol=atol * scale)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["PlacementError", "attention_devices", "check_placement"]
+__all__ = ["PlacementError", "attention_devices", "check_placement", "key_projection"]
 
 _FIX = (
     "Load the model with a device_map that keeps every decoder layer in GPU or CPU memory (device_map='auto' with "
@@ -33,9 +33,21 @@ class PlacementError(ValueError):
     """The model is placed where a ShadowKVCache cannot serve it; the message names the layers and the fix."""
 
 
+# An attention module's key projection: its own, or the fused QKV one of Phi-3 and GPT-NeoX.
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def key_projection(module: nn.Module) -> nn.Module | None:
+    """The key projection of an attention module (one with a `layer_idx`), else None."""
+    if not hasattr(module, "layer_idx"):
+        return None
+    projection = next((getattr(module, n) for n in _KEY_PROJECTIONS if hasattr(module, n)), None)
+    return projection if isinstance(projection, nn.Module) else None
+
+
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
-        if hasattr(module, "layer_idx") and isinstance(getattr(module, "k_proj", None), nn.Module):
+        if key_projection(module) is not None:
             yield name, module
 
 
@@ -60,15 +72,17 @@ def _device(value) -> torch.device | None:
 
 def _execution_device(owners: dict[str, nn.Module], name: str, module: nn.Module) -> torch.device:
     """Where `module` (named `name` among the model's modules `owners`) computes its keys: the execution device of
-    the nearest accelerate hook (on its `k_proj`, itself or a parent), else the device of its `k_proj` weight."""
+    the nearest accelerate hook (on its key projection, itself or a parent), else the device of that projection's
+    weight."""
     parts = name.split(".") if name else []
-    chain = [module.k_proj, module] + [owners[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)]
+    projection = key_projection(module)
+    chain = [projection, module] + [owners[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)]
     for owner in chain:
         for hook in _hooks(owner):
             device = _device(getattr(hook, "execution_device", None))
             if device is not None:
                 return device
-    return module.k_proj.weight.device
+    return projection.weight.device
 
 
 def attention_devices(model: nn.Module) -> dict[int, torch.device]:

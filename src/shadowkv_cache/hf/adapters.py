@@ -10,13 +10,16 @@ which sees neither the cache nor the pre-RoPE keys. Public seams fill the gap (d
   cache's use scope: one thread at a time, and a call that raises leaves the cache as it was (hf/state.py);
 - a wrapper around the model's `prepare_inputs_for_generation` lets a prefix cache check the full ids
   `generate` was given (the forward only sees the uncached tokens).
-The wrapper sees the key as the attention module hands it to RoPE, so norms applied before RoPE (Qwen3, Gemma 3
-`k_norm` per head; OLMo 2 over the whole projection) and clipping (OLMo `clip_qkv`) are part of the recorded pre-RoPE
-key. A layer without RoPE (SmolLM3, EXAONE 4 NoPE layers, `WITHOUT_ROPE`) never calls the wrapper: its keys reach the
-attention function as they are, and that is where its pre-RoPE keys are taken. Models with sliding-window layers
-(`config.layer_types`: Gemma 2 and 3, GPT-OSS, OLMo 3, ...) keep those layers exact (`sliding_windows`); only
-full-attention layers are compressed, and their keys are rebuilt with the full-attention layers' RoPE (Gemma 3 has
-another base for its local layers).
+The wrapper sees the key as the attention module hands it to RoPE, so norms applied before RoPE (Qwen3, Gemma 3,
+Cohere, StableLM `k_norm` per head; OLMo 2 over the whole projection) and clipping (OLMo `clip_qkv`) are part of the
+recorded pre-RoPE key. Phi and StableLM hand RoPE only the rotary part of the key; the other dims pass through RoPE
+unchanged, so the full pre-RoPE key is completed from the post-RoPE key (`ModelRope.pre_rope_keys`). A layer without
+RoPE (SmolLM3, EXAONE 4 NoPE layers, Cohere 2's global layers: `WITHOUT_ROPE`) never calls the wrapper: its keys
+reach the attention function as they are, and that is where its pre-RoPE keys are taken. Models with sliding-window
+layers (`config.layer_types`: Gemma 2 and 3, GPT-OSS, OLMo 3, Cohere 2, ...) keep those layers exact
+(`sliding_windows`); only full-attention layers are compressed, and their keys are rebuilt with the full-attention
+layers' RoPE (Gemma 3 has another base for its local layers). Each compressed layer's RoPE is a `ModelRope`
+(hf/rope.py).
 
 The attention implementation is switched with Transformers' own `set_attn_implementation`, on a copy of the
 model's config that the patch gives the model: models built from one config object share it, and switching the
@@ -36,12 +39,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..ops.rebuild_keys import IdentityRope, RopeFn
-from .architectures import SUPPORTED_ARCHITECTURES, check_supported, layers_without_rope, model_type_of, sliding_windows
+from .architectures import (
+    SUPPORTED_ARCHITECTURES,
+    check_supported,
+    key_dims,
+    layers_without_rope,
+    model_type_of,
+    sliding_windows,
+)
 from .attention import register_attention
+from .rope import ModelRope, rotary_on
 from .step_context import ATTENTION_NAME, current_step
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
 
@@ -51,7 +60,9 @@ __all__ = [
     "ModelAdapter",
     "ModelRope",
     "check_supported",
+    "key_dims",
     "model_type_of",
+    "rotary_on",
     "patch_model",
     "sliding_windows",
     "unpatch_model",
@@ -70,7 +81,7 @@ class ModelAdapter:
     attention: dict[int, weakref.ref] = field(default_factory=dict)
     without_rope: frozenset[int] = frozenset()  # layers whose attention applies no RoPE (`WITHOUT_ROPE`)
 
-    @property
+    @functools.cached_property
     def rope(self) -> ModelRope:
         """The model's RoPE at given positions, as the key rebuild of the compressed (full-attention) layers
         needs it."""
@@ -78,74 +89,9 @@ class ModelAdapter:
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
 
-    def layer_rope(self, layer_idx: int) -> RopeFn:
+    def layer_rope(self, layer_idx: int) -> ModelRope:
         """The RoPE of one compressed layer: the model's, or the identity where the layer applies none."""
-        return IdentityRope() if layer_idx in self.without_rope else self.rope
-
-
-class ModelRope:
-    """Post-RoPE keys `[M, c, D]` from pre-RoPE keys `[M, c, D]` at positions `[M, c]`, the model's way, on the keys'
-    device.
-
-    `inv_freq_on(device)` and `attention_scaling` let the CUDA key rebuild compute the same rotate-half RoPE
-    in-kernel (Llama-3 / YaRN scaling is already folded into them). `layer_type` names the table of a rotary module
-    that keeps one per layer type (Gemma 3's `Gemma3RotaryEmbedding`); `None` for the usual single table.
-
-    A model split over devices (design.md §11) keeps its one rotary module on one of them, behind an accelerate hook
-    that moves every input there; a layer elsewhere would then copy its keys over and back at every step. So a layer
-    on another device gets a copy of the rotary module whose tables live on its device (made once; the module's own
-    forward, called without the hook), and no step crosses devices.
-    """
-
-    def __init__(self, rotary_emb: nn.Module, apply_rotary: Callable, layer_type: str | None = None):
-        self.rotary_emb, self.apply_rotary, self.layer_type = rotary_emb, apply_rotary, layer_type
-        self._prefix = f"{layer_type}_" if layer_type else ""
-        self._copies: dict[torch.device, nn.Module] = {}
-
-    @property
-    def inv_freq(self) -> torch.Tensor | None:
-        """The rotary module's own `[D/2]` inverse frequencies (on its device)."""
-        return getattr(self.rotary_emb, f"{self._prefix}inv_freq", None)
-
-    def inv_freq_on(self, device: torch.device) -> torch.Tensor | None:
-        """`[D/2]` float32 inverse frequencies on `device`, for the key-rebuild kernel (no copy per step); None when
-        the tables are not in memory (buffers offloaded by accelerate: the rebuild then calls the module)."""
-        inv_freq = getattr(self._module_on(device), f"{self._prefix}inv_freq", None)
-        if inv_freq is None or inv_freq.is_meta:
-            return None
-        return inv_freq.to(device=device, dtype=torch.float32).contiguous()
-
-    @property
-    def attention_scaling(self) -> float:
-        return float(getattr(self.rotary_emb, f"{self._prefix}attention_scaling", 1.0))
-
-    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        extra = (self.layer_type,) if self.layer_type else ()
-        module = self._module_on(keys.device)
-        if module is self.rotary_emb:  # its hook may compute elsewhere when it brings offloaded tables (no-op else)
-            cos, sin = (t.to(keys.device) for t in module(keys, positions, *extra))
-        else:  # the class's forward: a copy must not run the original's accelerate hook
-            cos, sin = type(module).forward(module, keys, positions, *extra)
-        _, rotated = self.apply_rotary(keys[:, None], keys[:, None], cos, sin)
-        return rotated[:, 0]
-
-    def _module_on(self, device: torch.device) -> nn.Module:
-        """The rotary module if its tables are on `device` (or not in memory: an offloading hook brings them), else
-        its copy on `device`."""
-        tables = list(self.rotary_emb.buffers())
-        if all(t.device == device or t.is_meta for t in tables):
-            return self.rotary_emb
-        if device not in self._copies:
-            self._copies[device] = rotary_on(self.rotary_emb, device)
-        return self._copies[device]
-
-
-def rotary_on(rotary_emb: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of `rotary_emb` with its tables (buffers) on `device`; it shares the config and the scalars. Call it
-    through its class's `forward`: the copy carries the original's accelerate hook, which would move inputs back."""
-    clone = copy.copy(rotary_emb)
-    clone._buffers = {name: None if t is None else t.to(device) for name, t in rotary_emb._buffers.items()}
-    return clone
+        return ModelRope.none() if layer_idx in self.without_rope else self.rope
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
@@ -192,6 +138,7 @@ def patch_model(model: nn.Module) -> ModelAdapter:
             attention={module.layer_idx: weakref.ref(module) for module in attention},
             without_rope=layers_without_rope(model_type, attention),
         )
+        adapter.rope  # noqa: B018 - probes the layout now, while a failure leaves the model untouched
         try:
             original = model.config
             patched = copy.deepcopy(original)

@@ -24,23 +24,31 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "WITHOUT_ROPE",
     "check_supported",
+    "key_dims",
     "layers_without_rope",
     "model_type_of",
     "sliding_windows",
 ]
 
-# model_type -> the modeling module whose global `apply_rotary_pos_emb` its attention modules call.
+# model_type -> the modeling module whose global `apply_rotary_pos_emb` its attention modules call. RoPE layouts other
+# than Llama's rotate-half over the whole head (partial: phi, phi3 with partial_rotary_factor < 1, stablelm, gpt_neox,
+# glm; interleaved pairs: glm, glm4, cohere, cohere2) are read from the model itself (hf/rope.py).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "afmoe": "transformers.models.afmoe.modeling_afmoe",
     "apertus": "transformers.models.apertus.modeling_apertus",
     "arcee": "transformers.models.arcee.modeling_arcee",
     "bitnet": "transformers.models.bitnet.modeling_bitnet",
+    "cohere": "transformers.models.cohere.modeling_cohere",
+    "cohere2": "transformers.models.cohere2.modeling_cohere2",
     "exaone4": "transformers.models.exaone4.modeling_exaone4",
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe",
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo",
     "gemma": "transformers.models.gemma.modeling_gemma",
     "gemma2": "transformers.models.gemma2.modeling_gemma2",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+    "glm": "transformers.models.glm.modeling_glm",
+    "glm4": "transformers.models.glm4.modeling_glm4",
+    "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
     "granite": "transformers.models.granite.modeling_granite",
     "granitemoe": "transformers.models.granitemoe.modeling_granitemoe",
@@ -56,6 +64,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "olmo2": "transformers.models.olmo2.modeling_olmo2",
     "olmo3": "transformers.models.olmo3.modeling_olmo3",
     "olmoe": "transformers.models.olmoe.modeling_olmoe",
+    "phi": "transformers.models.phi.modeling_phi",
+    "phi3": "transformers.models.phi3.modeling_phi3",
     "phimoe": "transformers.models.phimoe.modeling_phimoe",
     "qwen2": "transformers.models.qwen2.modeling_qwen2",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe",
@@ -64,9 +74,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss",
     "smollm3": "transformers.models.smollm3.modeling_smollm3",
     "solar_open": "transformers.models.solar_open.modeling_solar_open",
+    "stablelm": "transformers.models.stablelm.modeling_stablelm",
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma",
 }
+
+
+def key_dims(text_config: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of a text config. GPT-NeoX configs name no KV heads: every query head has its own."""
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, head_dim
 
 
 def model_type_of(model: nn.Module) -> str:
@@ -134,8 +152,10 @@ def sliding_windows(text_config: Any) -> list[int | None]:
 # model_type -> which attention modules apply no RoPE (NoPE), decided as the module's forward decides it: SmolLM3
 # drops it in every fourth layer (`use_rope`, from `no_rope_layers`), EXAONE 4 and EXAONE MoE in their global layers
 # when they have local ones, AFMoE everywhere but its local layers. Such a layer is compressed all the same; its keys
-# are their own pre-RoPE keys and are rebuilt without rotation (`IdentityRope`).
+# are their own pre-RoPE keys and are rebuilt without rotation (`ModelRope.none()`, hf/rope.py). Cohere 2 rotates
+# only in its sliding-window layers (`if self.sliding_window is not None: apply_rotary_pos_emb`).
 WITHOUT_ROPE: dict[str, Callable[[nn.Module], bool]] = {
+    "cohere2": lambda attention: attention.sliding_window is None,
     "smollm3": lambda attention: not attention.use_rope,
     "exaone4": lambda attention: not (attention.sliding_window is None or attention.is_sliding),
     "exaone_moe": lambda attention: not (attention.sliding_window is None or attention.is_sliding),

@@ -22,7 +22,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core.attention import LogitTerms, grouped_attention
-from ..ops.rebuild_keys import IdentityRope
 from .layer import CompressedLayer
 from .step_context import ATTENTION_NAME, current_step
 
@@ -66,23 +65,18 @@ def shadowkv_attention(
 
 
 def _pre_rope_keys(step, layer: CompressedLayer, key: torch.Tensor) -> torch.Tensor:
-    """The layer's keys before RoPE `[B, Hkv, S, D]`: what the rotary wrapper recorded, or, in a layer without RoPE
-    (`IdentityRope`, hf/architectures.py), the keys as the attention module handed them to the cache, which is
-    what `key` holds here. A mode that keeps post-RoPE keys only (YAKV) gets those."""
+    """The layer's keys before RoPE `[B, Hkv, S, D]`: what the rotary wrapper recorded, completed or replaced as the
+    layer's RoPE says (`ModelRope.pre_rope_keys`: the non-rotated dims of partial rotary; in a layer without RoPE the
+    keys as the attention module handed them to the cache, which is what `key` holds here). A mode that keeps
+    post-RoPE keys only (YAKV) gets those."""
     rope = getattr(layer.mode, "rope", None)
-    without_rope = rope is None or isinstance(rope, IdentityRope)
-    if step.position_ids is None or (not without_rope and step.pre_rope_keys is None):
+    keys_pre = key if rope is None else rope.pre_rope_keys(step.pre_rope_keys, key)
+    if keys_pre is None or step.position_ids is None:
         raise RuntimeError(
             "ShadowKVCache did not see the pre-RoPE keys or position ids of layer "
             f"{step.layer_idx}; the model was not patched (create the cache with ShadowKVCache(model))."
         )
-    if isinstance(rope, IdentityRope) and step.pre_rope_keys is not None:
-        # Marked as a layer without RoPE, yet it applied RoPE: rebuilding without it would give other keys.
-        raise RuntimeError(
-            f"Layer {step.layer_idx} applied RoPE although ShadowKVCache counts it as a layer without RoPE "
-            "(WITHOUT_ROPE in shadowkv_cache/hf/architectures.py disagrees with the model). Use DynamicCache."
-        )
-    return key if without_rope else step.pre_rope_keys
+    return keys_pre
 
 
 def _exact_attention(

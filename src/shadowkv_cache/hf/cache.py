@@ -23,7 +23,7 @@ from ..stores.value_codecs import check_value_format
 from ..yakv.mode import YakvMode
 from . import microbatch
 from .adapters import patch_model
-from .architectures import check_supported, sliding_windows
+from .architectures import check_supported, key_dims, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
 from .prefill import prefill as prefill_document
@@ -95,10 +95,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
         check_supported(model)
         check_placement(model)  # a layer on disk or "meta" (design.md §11)
         text_config = model.config.get_text_config()
-        head_dim = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
-        config.validate(key_dim=text_config.num_key_value_heads * head_dim, head_dim=head_dim)
+        kv_heads, head_dim = key_dims(text_config)
+        config.validate(key_dim=kv_heads * head_dim, head_dim=head_dim)
         check_value_format(config.value_format, head_dim)
         if policy is not None and not isinstance(policy, SelectionPolicy):
             raise TypeError(f"policy must be a SelectionPolicy, got {type(policy).__name__}.")

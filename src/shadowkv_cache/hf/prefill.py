@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..prefix.identity import kv_dtype_and_devices
+from ..prefix.identity import key_projection, kv_dtype_and_devices
 from ..prefix.use import as_prefix_ids
 
 __all__ = ["prefill", "run_prompt"]
@@ -33,7 +33,7 @@ def run_prompt(model: nn.Module, input_ids: torch.Tensor, cache, progress: bool 
     if progress:
         from tqdm import tqdm
 
-        attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+        attention = [m for m in model.modules() if key_projection(m) is not None]
         bar = tqdm(total=len(attention), desc=f"prefill {ids.shape[1]} tokens", unit="layer", leave=False)
 
         def step(*_) -> None:  # a forward hook that returns a value would replace the module's output

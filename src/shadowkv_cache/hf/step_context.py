@@ -50,7 +50,8 @@ def current_step() -> StepContext | None:
 def attention_step(module: nn.Module, kwargs: dict) -> Iterator[StepContext]:
     """Open the step of `module`'s forward (called with `kwargs`) on this thread; the previous one (if an attention
     forward ever nests another) is restored on the way out, whatever ends the forward."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    # GPT-NeoX hands its attention the cache as `layer_past`.
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "layer_past") if kwargs.get(k) is not None), None)
     step = StepContext(cache, module.layer_idx, kwargs.get("position_ids"), module)
     previous = getattr(_local, "step", None)
     _local.step = step

@@ -13,28 +13,66 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .loader import kernels_available, load_kernels
 
-__all__ = ["IdentityRope", "RopeFn", "rebuild_keys", "rebuild_missed_keys"]
+__all__ = ["RopeFn", "RopeLayout", "rebuild_keys", "rebuild_missed_keys", "rope_reference"]
 
 # (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D], on the keys' device. The kernel path also
-# needs `inv_freq_on(device)` ([D/2] fp32 on that device) and `attention_scaling` (float) of a rotate-half RoPE (see
-# hf/adapters.py's `ModelRope`).
+# needs `layout` (a `RopeLayout`, or None when the RoPE is of no layout the kernel knows), `inv_freq_on(device)`
+# ([rotary_dim/2] fp32 on that device) and `attention_scaling` (float) (see hf/rope.py `ModelRope`).
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class IdentityRope:
-    """The `RopeFn` of a layer without RoPE (NoPE, e.g. every fourth SmolLM3 layer): keys come back as they are.
+@dataclass(frozen=True)
+class RopeLayout:
+    """Which dims of a head RoPE rotates, and how it pairs them (what `kernels/rebuild_keys.cu` computes).
 
-    It has no `inv_freq`, so `rebuild_missed_keys` never launches the RoPE kernel for it: on an accelerator the
-    fixed-size path writes `A·B` into the missed slots (no host synchronisation, so still graph-safe).
+    Args:
+        rotary_dim (`int`): the first `rotary_dim` dims of each head are rotated, the rest pass through
+            unchanged (partial rotary: Phi, StableLM, GPT-NeoX, GLM); `0` for a layer without RoPE.
+        interleaved (`bool`): pairs `(2i, 2i+1)` rotate by frequency `i` (GLM, Cohere); otherwise pairs
+            `(i, i + rotary_dim/2)` do (the rotate-half form of Llama).
     """
 
-    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return keys
+    rotary_dim: int
+    interleaved: bool = False
+
+    def __post_init__(self):
+        if self.rotary_dim < 0 or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and >= 0 (dims rotate in pairs), got {self.rotary_dim}.")
+
+
+def rope_reference(
+    keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, layout: RopeLayout
+) -> torch.Tensor:
+    """The RoPE the key-rebuild kernel computes, in PyTorch: cos/sin in fp32 from `inv_freq` at each position,
+    times `attention_scaling`, one rounding to the keys' dtype.
+
+    Args:
+        keys (`torch.Tensor`): `[..., T, D]` pre-RoPE keys.
+        positions (`torch.Tensor`): `[..., T]` int64 positions.
+        inv_freq (`torch.Tensor`): `[rotary_dim/2]` the rotary inverse frequencies.
+        layout (`RopeLayout`): which dims rotate, paired how.
+    Returns:
+        `[..., T, D]` post-RoPE keys in `keys.dtype`.
+    """
+    r = layout.rotary_dim
+    if r > keys.shape[-1]:
+        raise ValueError(f"rotary_dim {r} exceeds the head dim {keys.shape[-1]}.")
+    x, rest = keys[..., :r].float(), keys[..., r:]
+    angles = positions[..., None].float() * inv_freq.float()  # [..., T, r/2]
+    cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
+    if layout.interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    else:
+        first, second = x[..., : r // 2], x[..., r // 2 :]
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return torch.cat((rotated.to(keys.dtype), rest), dim=-1)
 
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -86,18 +124,20 @@ def rebuild_missed_keys(
     batch, heads, num_slots, c, dim = keys.shape
     if not num_slots or not batch:
         return
-    inv_freq_on = getattr(rope, "inv_freq_on", None)
+    layout: RopeLayout | None = getattr(rope, "layout", None)
+    inv_freq_on = getattr(rope, "inv_freq_on", None)  # on the keys' device, made once (design.md §11)
     inv_freq = inv_freq_on(keys.device) if inv_freq_on is not None else None
     if (
         kernels_available(keys.device)
-        and inv_freq is not None
+        and layout is not None
+        and layout.rotary_dim <= dim
+        and (layout.rotary_dim == 0 or (inv_freq is not None and 2 * inv_freq.numel() == layout.rotary_dim))
         and keys.dtype in _KERNEL_DTYPES
         and a.dtype == b.dtype == keys.dtype
         and keys.is_contiguous()
-        and dim % 2 == 0
         and positions.stride(-1) == 1
     ):
-        _launch(keys, ids, miss, a, b, positions, inv_freq, float(rope.attention_scaling))
+        _launch(keys, ids, miss, a, b, positions, inv_freq, float(rope.attention_scaling), layout)
         return
     if keys.device.type == "cpu":  # a host synchronisation costs nothing here: rebuild the misses only
         rows, hs, slots = miss.nonzero(as_tuple=True)
@@ -130,9 +170,12 @@ def _slot_products(ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: int) 
     return torch.matmul(a_sel, b_heads).view(batch, heads, num_slots, c, -1)
 
 
-def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> None:
+def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layout: RopeLayout) -> None:
     batch, heads, num_slots, c, dim = keys.shape
     pre = _slot_products(ids, a, b, c)
+    if layout.rotary_dim == 0:  # a layer without RoPE: the kernel never reads the frequencies
+        # Made on the device: a copy from the host inside a CUDA graph capture would fail the capture.
+        inv_freq = torch.zeros(1, device=keys.device)
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
     kernels.launch(
@@ -146,8 +189,10 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling) -> No
             miss.contiguous(),
             positions,
             (positions.stride(0), ctypes.c_longlong),
-            inv_freq,
+            inv_freq.to(device=keys.device, dtype=torch.float32).contiguous(),
             (attention_scaling, ctypes.c_float),
+            (layout.rotary_dim, i32),
+            (int(layout.interleaved), i32),
             (heads, i32),
             (num_slots, i32),
             (c, i32),

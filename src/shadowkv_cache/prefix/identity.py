@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..placement import attention_devices
+from ..placement import attention_devices, key_projection
 from .errors import PrefixCacheError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "forget_model_identity",
     "hash_tensor_into",
     "identity_weights",
+    "key_projection",
     "kv_dtype_and_devices",
     "model_dims",
     "model_identity",
@@ -100,7 +101,7 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     """The model's decoder layers: the `ModuleList` of `num_layers` modules that hold its attention modules."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            if all(any(hasattr(m, "layer_idx") and hasattr(m, "k_proj") for m in layer.modules()) for layer in module):
+            if all(any(key_projection(m) is not None for m in layer.modules()) for layer in module):
                 return list(module)
     raise PrefixCacheError(f"{type(model).__name__} has no list of {num_layers} decoder layers to identify it by.")
 
@@ -188,18 +189,21 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's text config."""
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+    # GPT-NeoX configs name no KV heads: every query head has its own keys.
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:
-    """The dtype keys and values come in (that of the first layer's `k_proj`), and the device each layer's attention
-    runs on (its execution device where accelerate places or offloads it, design.md §11)."""
+    """The dtype keys and values come in (that of the first layer's key projection), and the device each layer's
+    attention runs on (its execution device where accelerate places or offloads it, design.md §11)."""
     weights = {}
     for module in model.modules():
-        if hasattr(module, "layer_idx") and isinstance(getattr(module, "k_proj", None), nn.Module):
-            weights[module.layer_idx] = module.k_proj.weight
+        projection = key_projection(module)
+        if projection is not None:
+            weights[module.layer_idx] = projection.weight
     if not weights:
-        raise PrefixCacheError(f"{type(model).__name__} has no k_proj weights to take the keys' dtype from.")
+        raise PrefixCacheError(f"{type(model).__name__} has no key projection weights to take the keys' dtype from.")
     dtype = weights[min(weights)].dtype
     devices = attention_devices(model)
     fallback = devices[min(devices)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ResolvedSizes, ShadowKVConfig
+from ..hf.adapters import key_dims
 from ..hf.cache import ShadowKVCache
 from ..hf.layer import CompressedLayer
 from ..placement import attention_devices
@@ -171,8 +172,7 @@ def release_pinned() -> int:
 
 
 def _kv_dims(model) -> tuple[int, int]:
-    text = model.config.get_text_config()
-    return text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return key_dims(model.config.get_text_config())
 
 
 class _HostMemory:
