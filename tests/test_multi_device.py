@@ -60,9 +60,11 @@ HOST = {"budget_host"}  # prompt fields kept on the host on purpose (byte counts
 
 
 def halves_map(model: torch.nn.Module, first, second, rotary) -> dict:
-    """The first half of the decoder layers (and the embeddings) on `first`, the rest (and the head) on `second`."""
+    """The first half of the decoder layers (and the embeddings) on `first`, the rest (and the head) on `second`; a
+    head tied to the embeddings (SmolLM2) stays with them, as `device_map="auto"` keeps tied weights together."""
     layers = len(model.model.layers)
-    device_map = {"model.embed_tokens": first, "model.rotary_emb": rotary, "model.norm": second, "lm_head": second}
+    head = first if model.config.get_text_config().tie_word_embeddings else second
+    device_map = {"model.embed_tokens": first, "model.rotary_emb": rotary, "model.norm": second, "lm_head": head}
     device_map.update({f"model.layers.{i}": first if i < layers // 2 else second for i in range(layers)})
     return device_map
 
