@@ -159,7 +159,10 @@ def make_tiny_model(arch: str, seed: int | None = None, **config_overrides) -> t
     kwargs.update(config_overrides)
     config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Soft-capping needs eager attention: before Transformers 5.24 Gemma 2 defaulted to SDPA, which drops the cap, so
+    # DynamicCache would be the reference of another model (ShadowKVCache applies the cap, as eager attention does).
+    eager = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **eager).eval()
 
 
 @functools.cache
