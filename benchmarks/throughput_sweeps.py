@@ -52,6 +52,14 @@ def gpu_gib_by_device(report) -> str:
     return " / ".join(f"{d.device} {d.gpu_bytes / GiB:.2f}" for d in report.per_device.values())
 
 
+def mode_config(config, mode: str):
+    """The run's ShadowKV config in `mode`: YAKV mode takes no rank (its keys are quantised, not factorised) and its own
+    budget, so the paper's `rank` and `sparse_budget` of the ShadowKV runs are reset for it."""
+    if mode == "yakv":
+        return dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
+    return dataclasses.replace(config, mode=mode)
+
+
 def prefill_runs(run: Run) -> None:
     """1. A real prefill at batch 1 per context and method, and a decode of the compressed caches (their step
     latency, GPU bytes per sequence after 256 generated tokens, and hit rate of random weights)."""
@@ -65,7 +73,7 @@ def prefill_runs(run: Run) -> None:
             if method == "dynamic":
                 cache = DynamicCache(config=cfg)
             else:
-                cache = ShadowKVCache(model, config=dataclasses.replace(config, mode=method))
+                cache = ShadowKVCache(model, config=mode_config(config, method))
             free(device)
             reset_peak(device)
             sync(device)
@@ -227,7 +235,7 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
     device codes and fetches the top k tokens' 4-bit key and value records; no temporal cache, no hit rate."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
     # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
-    yakv_config = dataclasses.replace(run.config, mode="yakv", rank="auto", sparse_budget=None)
+    yakv_config = mode_config(run.config, "yakv")
     for length in run.contexts if "yakv" in run.methods else []:
         row_host = layer_sizes(model, yakv_config, length).host_bytes_per_row
         sweep, max_rows = _host_sweep(run, row_host, 0)
