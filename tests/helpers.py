@@ -123,6 +123,20 @@ _ARCH_CONFIG = {
     "gpt_neox": {"num_key_value_heads": NUM_HEADS, "partial_rotary_factor": 0.25},
     "glm": {"partial_rotary_factor": 0.5},  # interleaved pairs on 8 of 16 dims
     "glm4": {"partial_rotary_factor": 0.5},
+    # MoE with partial rotary (half the head), a dense first layer and a shared expert; per-head q/k norms.
+    "glm4_moe": {
+        **_EXPERTS,
+        "n_routed_experts": 4,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_shared_experts": 1,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+    },
+    "ernie4_5": {},  # interleaved pairs on the whole head
+    "ernie4_5_moe": {"moe_num_experts": 4, "moe_intermediate_size": 32, "moe_k": 2},
+    # q/k RMSNorm over the whole projection before RoPE (as OLMo 2), partial rotary, MoE.
+    "minimax_m2": {**_EXPERTS, "num_local_experts": 4, "partial_rotary_factor": 0.5},
     "cohere": {"use_qk_norm": True},  # interleaved pairs on the whole head
     # Sliding layers rotate (interleaved); the global layers apply no RoPE.
     "cohere2": {

@@ -52,6 +52,10 @@ CASES: dict[str, tuple[str, dict, RopeLayout, frozenset[int]]] = {
     "glm4": ("glm4", {}, RopeLayout(8, interleaved=True), frozenset()),
     "cohere": ("cohere", {}, RopeLayout(16, interleaved=True), frozenset()),
     "cohere2": ("cohere2", {}, RopeLayout(16, interleaved=True), frozenset({1, 3})),
+    "glm4_moe": ("glm4_moe", {}, RopeLayout(8), frozenset()),
+    "minimax_m2": ("minimax_m2", {}, RopeLayout(8), frozenset()),
+    "ernie4_5": ("ernie4_5", {}, RopeLayout(16, interleaved=True), frozenset()),
+    "ernie4_5_moe": ("ernie4_5_moe", {}, RopeLayout(16, interleaved=True), frozenset()),
 }
 
 

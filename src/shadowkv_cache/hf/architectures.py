@@ -32,7 +32,8 @@ __all__ = [
 
 # model_type -> the modeling module whose global `apply_rotary_pos_emb` its attention modules call. RoPE layouts other
 # than Llama's rotate-half over the whole head (partial: phi, phi3 with partial_rotary_factor < 1, stablelm, gpt_neox,
-# glm; interleaved pairs: glm, glm4, cohere, cohere2) are read from the model itself (hf/rope.py).
+# glm, glm4_moe, minimax_m2; interleaved pairs: glm, glm4, cohere, cohere2, ernie4_5) are read from the model itself
+# (hf/rope.py).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "afmoe": "transformers.models.afmoe.modeling_afmoe",
     "apertus": "transformers.models.apertus.modeling_apertus",
@@ -40,6 +41,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "bitnet": "transformers.models.bitnet.modeling_bitnet",
     "cohere": "transformers.models.cohere.modeling_cohere",
     "cohere2": "transformers.models.cohere2.modeling_cohere2",
+    "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5",
+    "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe",
     "exaone4": "transformers.models.exaone4.modeling_exaone4",
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe",
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo",
@@ -48,6 +51,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
     "glm": "transformers.models.glm.modeling_glm",
     "glm4": "transformers.models.glm4.modeling_glm4",
+    "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
     "granite": "transformers.models.granite.modeling_granite",
@@ -57,6 +61,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax",
     "jais2": "transformers.models.jais2.modeling_jais2",
     "llama": "transformers.models.llama.modeling_llama",
+    "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2",
     "ministral": "transformers.models.ministral.modeling_ministral",
     "mistral": "transformers.models.mistral.modeling_mistral",
     "mixtral": "transformers.models.mixtral.modeling_mixtral",
