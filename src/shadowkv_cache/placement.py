@@ -21,7 +21,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["PlacementError", "attention_devices", "check_placement", "key_projection"]
+from .model_keys import key_projection
+
+__all__ = ["PlacementError", "attention_devices", "check_placement"]
 
 _FIX = (
     "Load the model with a device_map that keeps every decoder layer in GPU or CPU memory (device_map='auto' with "
@@ -31,18 +33,6 @@ _FIX = (
 
 class PlacementError(ValueError):
     """The model is placed where a ShadowKVCache cannot serve it; the message names the layers and the fix."""
-
-
-# An attention module's key projection: its own, or the fused QKV one of Phi-3 and GPT-NeoX.
-_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
-
-
-def key_projection(module: nn.Module) -> nn.Module | None:
-    """The key projection of an attention module (one with a `layer_idx`), else None."""
-    if not hasattr(module, "layer_idx"):
-        return None
-    projection = next((getattr(module, n) for n in _KEY_PROJECTIONS if hasattr(module, n)), None)
-    return projection if isinstance(projection, nn.Module) else None
 
 
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -44,7 +44,6 @@ from torch import nn
 from .architectures import (
     SUPPORTED_ARCHITECTURES,
     check_supported,
-    key_dims,
     layers_without_rope,
     model_type_of,
     sliding_windows,
@@ -60,7 +59,6 @@ __all__ = [
     "ModelAdapter",
     "ModelRope",
     "check_supported",
-    "key_dims",
     "model_type_of",
     "rotary_on",
     "patch_model",

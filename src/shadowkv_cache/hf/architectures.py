@@ -24,7 +24,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "WITHOUT_ROPE",
     "check_supported",
-    "key_dims",
     "layers_without_rope",
     "model_type_of",
     "sliding_windows",
@@ -83,13 +82,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma",
 }
-
-
-def key_dims(text_config: Any) -> tuple[int, int]:
-    """(KV heads, head dim) of a text config. GPT-NeoX configs name no KV heads: every query head has its own."""
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return heads, head_dim
 
 
 def model_type_of(model: nn.Module) -> str:

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 from .. import prefix
 from ..config import ShadowKVConfig
 from ..memory_report import LayerMemory, MemoryReport
+from ..model_keys import key_dims
 from ..notices import Notices
 from ..placement import check_placement
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
@@ -23,7 +24,7 @@ from ..stores.value_codecs import check_value_format
 from ..yakv.mode import YakvMode
 from . import microbatch
 from .adapters import patch_model
-from .architectures import check_supported, key_dims, sliding_windows
+from .architectures import check_supported, sliding_windows
 from .decode_graph import GraphSwitch
 from .layer import CompressedLayer
 from .prefill import prefill as prefill_document
@@ -323,8 +324,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._prefix_checked = True
 
     def memory_report(self) -> MemoryReport:
-        """Device and host bytes per layer, per device (`per_device`) and in total, the ratio to `DynamicCache`, and the
-        hit rate so far."""
+        """Device and host bytes per layer, per device and in total, the ratio to `DynamicCache`, and the hit rate."""
         per_layer, hits, lookups = [], 0, 0
         for i, layer in enumerate(self.layers):
             device, host, full = layer.nbytes()

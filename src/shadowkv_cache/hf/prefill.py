@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..prefix.identity import key_projection, kv_dtype_and_devices
+from ..model_keys import key_projection
+from ..prefix.identity import kv_dtype_and_devices
 from ..prefix.use import as_prefix_ids
 
 __all__ = ["prefill", "run_prompt"]

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..placement import attention_devices, key_projection
+from ..model_keys import key_dims, key_projection
+from ..placement import attention_devices
 from .errors import PrefixCacheError
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "forget_model_identity",
     "hash_tensor_into",
     "identity_weights",
-    "key_projection",
     "kv_dtype_and_devices",
     "model_dims",
     "model_identity",
@@ -188,10 +188,7 @@ def model_identity(model: nn.Module) -> dict:
 def model_dims(model: nn.Module) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's text config."""
     text = model.config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    # GPT-NeoX configs name no KV heads: every query head has its own keys.
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return text.num_hidden_layers, kv_heads, head_dim
+    return text.num_hidden_layers, *key_dims(text)
 
 
 def kv_dtype_and_devices(model: nn.Module, num_layers: int) -> tuple[torch.dtype, list[torch.device]]:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ResolvedSizes, ShadowKVConfig
-from ..hf.adapters import key_dims
 from ..hf.cache import ShadowKVCache
 from ..hf.layer import CompressedLayer
+from ..model_keys import key_dims
 from ..placement import attention_devices
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
