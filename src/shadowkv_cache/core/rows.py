@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["local_window", "share_rows", "stack_padded", "stored_once_nbytes", "with_rows"]
+__all__ = ["join_rows", "local_window", "share_rows", "stack_padded", "stored_once_nbytes", "with_rows"]
 
 
 def local_window(
@@ -66,3 +66,16 @@ def stack_padded(parts: list[torch.Tensor], right_aligned_dim: int | None = None
         out[tuple(index)] = p
         row += p.shape[0]
     return out
+
+
+# Prompt fields whose token axis ends with the most recent token: rows of different lengths pad them on the left.
+_RIGHT_ALIGNED = {"local_keys": 2, "local_values": 2, "local_valid": 1}
+
+
+def join_rows(prompts: list, row_fields: tuple[str, ...]) -> dict:
+    """The `row_fields` and `policy_state` of `prompts` (a mode's prompts, micro batches of one batch) joined over
+    rows, each padded to the largest part (`stack_padded`), the local window right-aligned: what a prompt type's
+    `concat` changes before it joins its host store."""
+    changes = {name: stack_padded([getattr(p, name) for p in prompts], _RIGHT_ALIGNED.get(name)) for name in row_fields}
+    changes["policy_state"] = {k: stack_padded([p.policy_state[k] for p in prompts]) for k in prompts[0].policy_state}
+    return changes

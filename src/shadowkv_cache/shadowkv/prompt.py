@@ -18,7 +18,7 @@ import torch
 from ..config import ShadowKVConfig
 from ..core.landmarks import chunk_landmarks, outlier_chunks
 from ..core.low_rank import RankProbe, factorize_keys
-from ..core.rows import local_window, share_rows, stack_padded, stored_once_nbytes, with_rows
+from ..core.rows import join_rows, local_window, share_rows, stored_once_nbytes, with_rows
 from ..ops.rebuild_keys import RopeFn
 from ..policies.base import SelectionPolicy
 from ..stores.value_store import HostValueStore
@@ -103,11 +103,7 @@ class CompressedPrompt:
                 "CompressedPrompt.concat needs prompts of one batch (same slots, chunk size and policy state "
                 f"names); got {kind(first)} and {kind(odd)}."
             )
-        right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
-        changes = {
-            name: stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
-        }
-        changes["policy_state"] = {k: stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
+        changes = join_rows(prompts, cls.ROW_FIELDS)
         changes["values"] = HostValueStore.concat([p.values for p in prompts], pin)
         changes["max_budget_chunks"] = max(p.max_budget_chunks for p in prompts)
         kept = {f.name: getattr(first, f.name) for f in fields(first)}

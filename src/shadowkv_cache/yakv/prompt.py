@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.rows import local_window, share_rows, stack_padded, stored_once_nbytes, with_rows
+from ..core.rows import join_rows, local_window, share_rows, stored_once_nbytes, with_rows
 from ..ops.quantize_higgs import quantize_vectors
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
@@ -118,11 +118,7 @@ class QuantizedPrompt:
                 "QuantizedPrompt.concat needs prompts of one batch (same slots and policy state names); got "
                 f"{(first.slots, sorted(first.policy_state))} and {(odd.slots, sorted(odd.policy_state))}."
             )
-        right_aligned = {"local_keys": 2, "local_values": 2, "local_valid": 1}
-        changes = {
-            name: stack_padded([getattr(p, name) for p in prompts], right_aligned.get(name)) for name in cls.ROW_FIELDS
-        }
-        changes["policy_state"] = {k: stack_padded([p.policy_state[k] for p in prompts]) for k in first.policy_state}
+        changes = join_rows(prompts, cls.ROW_FIELDS)
         changes["store"] = QuantizedKVStore.concat([p.store for p in prompts], pin)
         changes["budget_host"] = torch.cat([p.budget_host for p in prompts])
         changes["max_budget_tokens"] = max(p.max_budget_tokens for p in prompts)
