@@ -28,7 +28,8 @@ except ModuleNotFoundError:
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from shadowkv_cache import ShadowKVConfig
+from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys
 from shadowkv_cache.shadowkv.prompt import CompressedPrompt
 
@@ -41,6 +42,7 @@ __all__ = [
     "NUM_KV_HEADS",
     "VOCAB",
     "assert_every_token_reachable_once",
+    "assert_left_padded_rows_reachable",
     "assert_logits_close",
     "dynamic_cache",
     "forward_with",
@@ -323,3 +325,32 @@ def assert_every_token_reachable_once(
     covered[:, n - size.local :] += 1
 
     assert (covered == 1).all(), f"tokens covered {covered.unique().tolist()} times; row {row}, n={n}"
+
+
+def assert_left_padded_rows_reachable(
+    model: torch.nn.Module, lengths: tuple[int, ...], overrides: dict, seed: int = 40
+) -> ShadowKVCache:
+    """Prefill left-padded random rows of `lengths` (positions as `generate` passes them) into a `ShadowKVCache` with
+    `overrides` and into a `DynamicCache`: every compressed layer keeps none of the prompt's full K/V on the device
+    and holds each row's real tokens exactly once (`assert_every_token_reachable_once`). Returns the cache."""
+    rows = [random_prompt(n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+    ids, mask = left_pad(rows)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    config = ShadowKVConfig(**overrides)
+    reference = dynamic_cache(model)
+    forward_with(model, ids, reference, attention_mask=mask, position_ids=positions)
+    cache = ShadowKVCache(model, **overrides)
+    forward_with(model, ids, cache, attention_mask=mask, position_ids=positions)
+
+    width = ids.shape[1]
+    compressed = [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)]
+    assert compressed, "no compressed layer"
+    for i, layer in compressed:
+        ref_layer = reference.layers[i]
+        assert layer.is_compressed, f"layer {i} was not compressed"
+        assert layer.get_seq_length() == width
+        assert layer.keys.shape[2] == 0, f"layer {i} kept the prompt's full K/V on the device"
+        for row, n in enumerate(lengths):
+            keys, values = ref_layer.keys[row, :, width - n :], ref_layer.values[row, :, width - n :]
+            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.mode.rope)
+    return cache

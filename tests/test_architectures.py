@@ -22,10 +22,9 @@ import pytest
 import torch
 from helpers import (
     SLIDING_WINDOW,
-    assert_every_token_reachable_once,
+    assert_left_padded_rows_reachable,
     assert_logits_close,
     dynamic_cache,
-    forward_with,
     full_budget_overrides,
     generate_with,
     left_pad,
@@ -35,7 +34,7 @@ from helpers import (
 )
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from shadowkv_cache import SUPPORTED_ARCHITECTURES, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache import SUPPORTED_ARCHITECTURES, ShadowKVCache
 from shadowkv_cache.core.attention import LogitTerms, grouped_attention
 from shadowkv_cache.hf import architectures
 from shadowkv_cache.hf.layer import CompressedLayer
@@ -144,24 +143,8 @@ def test_left_padded_rows_match_rows_alone(model):
 
 
 def test_every_prompt_token_reachable_once(model):
-    lengths = (160, 137, 50)
-    rows = [random_prompt(n, seed=20 + i)[0] for i, n in enumerate(lengths)]
-    ids, mask = left_pad(rows)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left-padded rows
-    overrides = full_rank_overrides(outlier_chunks=3)
-    config = ShadowKVConfig(**overrides)
-    reference = dynamic_cache(model)
-    forward_with(model, ids, reference, attention_mask=mask, position_ids=positions)
-    cache = ShadowKVCache(model, **overrides)
-    forward_with(model, ids, cache, attention_mask=mask, position_ids=positions)
-
-    width = ids.shape[1]
-    for i in global_layers(model):
-        layer, ref_layer = cache.layers[i], reference.layers[i]
-        assert layer.is_compressed and layer.keys.shape[2] == 0, f"layer {i} kept its full K/V on the device"
-        for row, n in enumerate(lengths):
-            keys, values = ref_layer.keys[row, :, width - n :], ref_layer.values[row, :, width - n :]
-            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.mode.rope)
+    cache = assert_left_padded_rows_reachable(model, (160, 137, 50), full_rank_overrides(outlier_chunks=3), seed=20)
+    assert [i for i, layer in enumerate(cache.layers) if isinstance(layer, CompressedLayer)] == global_layers(model)
 
 
 def test_second_turn_matches_dynamic_cache(model):

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import (
+    assert_left_padded_rows_reachable,
     assert_logits_close,
     dynamic_cache,
     forward_with,
@@ -30,10 +31,9 @@ from helpers import (
     small_budget_overrides,
 )
 from test_exactness import assert_full_selection_ran, rebuilt_chunks  # noqa: F401 (a fixture)
-from test_reachability import assert_every_token_reachable_once
 from test_yakv import quantised_reference, yakv
 
-from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.hf.adapters import SUPPORTED_ARCHITECTURES, patch_model
 from shadowkv_cache.hf.layer import CompressedLayer
 from shadowkv_cache.ops.rebuild_keys import RopeLayout
@@ -161,25 +161,7 @@ def test_full_budget_matches_dynamic_cache(variant, length, rebuilt_chunks):  # 
 def test_every_prompt_token_reachable_once(variant):
     """Left-padded rows: each real token is in exactly one of selectable chunk, outlier chunk or local window,
     and the rebuilt keys of the selectable chunks are the model's post-RoPE keys."""
-    model = case_model(variant)
-    lengths = (300, 217, 50)
-    rows = [random_prompt(n, seed=i + 40)[0] for i, n in enumerate(lengths)]
-    ids, mask = left_pad(rows)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left-padded rows
-    overrides = exact_overrides(outlier_chunks=3)
-    config = ShadowKVConfig(**overrides)
-    reference = dynamic_cache(model)
-    forward_with(model, ids, reference, attention_mask=mask, position_ids=positions)
-    cache = ShadowKVCache(model, **overrides)
-    forward_with(model, ids, cache, attention_mask=mask, position_ids=positions)
-
-    width = ids.shape[1]
-    for i, layer in compressed_layers(cache):
-        assert layer.is_compressed
-        ref_layer = reference.layers[i]
-        for row, n in enumerate(lengths):
-            keys, values = ref_layer.keys[row, :, width - n :], ref_layer.values[row, :, width - n :]
-            assert_every_token_reachable_once(layer.prompt, row, keys, values, config, layer.mode.rope)
+    assert_left_padded_rows_reachable(case_model(variant), (300, 217, 50), exact_overrides(outlier_chunks=3))
 
 
 def test_padded_rows_equal_rows_alone(variant):
