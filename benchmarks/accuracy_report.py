@@ -75,7 +75,7 @@ compare them with the chunk methods' at equal budget with care.
   low-rank factors. A method that offloaded exact keys as well would move twice as much. For `full`, the bytes
   of the whole K and V, which an offloaded full cache would move at every step. For `yakv`: the quantised key
   and value records read (`2*(D/2) + 4` bytes per token and KV head, whatever the model dtype), the selected
-  tokens at every step (no temporal cache), the whole prompt on multi-token steps.
+  tokens the previous step did not hold, the whole prompt on multi-token steps.
 - Multi-token steps after the prompt (a later chat turn) read every chunk for the offloading methods (the
   package default `dense_multi_token_steps=True`; counted in h2d as the whole prompt's values), while the
   evicting methods (StreamingLLM, SnapKV) keep their prefill-time selection at every step: after the first step

@@ -47,9 +47,9 @@ def shadowkv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[fl
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
 
 
-def yakv_bound(model, config, length, batch, weights, hbm_bw) -> tuple[float, float, float]:
+def yakv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float, float, float]:
     """`(seconds, HBM bytes, PCIe bytes)` per step in YAKV mode: HBM (weights, scoring codes and norms, attended set)
-    + PCIe (every selected token's record, each step: YAKV keeps no temporal cache)."""
+    + PCIe (the records of the selected tokens not held from the previous step, a share `1 - h`)."""
     cfg = model.config
     sizes = layer_sizes(model, config, length)
     size = sizes.resolved
@@ -57,5 +57,5 @@ def yakv_bound(model, config, length, batch, weights, hbm_bw) -> tuple[float, fl
     scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
     attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
     hbm = weights + batch * cfg.num_hidden_layers * (scoring + 3 * attended)  # dequant write, cat write/read
-    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * sizes.record_bytes
+    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * (1 - h) * sizes.record_bytes
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie

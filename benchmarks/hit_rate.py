@@ -1,15 +1,20 @@
-"""Temporal-cache hit rate `h` of ShadowKV on a real model, at the package defaults, against prompt length.
+"""Hit rate `h` of a real model's decode steps, ShadowKV's chunks or YAKV's tokens, against prompt length.
 
-`h` is the share of selected chunks that were already on the device from the previous step (design.md §3, decode
-step 3): a miss costs a key rebuild and a host-to-device copy of the chunk's values, so `h` sets the bytes a
-decode step moves and is what GPU throughput targets hang on (`benchmarks/throughput.py` sets it by hand).
+`h` is the share of selected units that were already on the device from the previous step (design.md §3, decode
+step 3; §4 for YAKV's held tokens): a ShadowKV miss costs a key rebuild and a host-to-device copy of the chunk's
+values, a YAKV miss the copy of the token's quantised record, so `h` sets the bytes a decode step moves and is what
+GPU throughput targets hang on (`benchmarks/throughput.py` sets it by hand: `--h-sweep`, `--yakv-h`).
 Each length prefills natural text (the Python reference documentation shipped with CPython) once and decodes
 greedily; reported are the cumulative hit rate of `cache.memory_report()` (the first step, with an empty
 temporal cache, counts as all misses) and the steady-state rate from the second step on.
 
     OMP_NUM_THREADS=1 python -m benchmarks.hit_rate --model gemma3 --lengths 2048 4096 8192 --steps 128
+    python -m benchmarks.hit_rate --mode yakv --model smollm2 --lengths 4096 8192 --budgets default 0.03125
 
-Writes benchmarks/results/hit_rate_<model>_<device>.{json,md,png}.
+`--budgets` takes `default` (the package's budget at that length) or a `sparse_budget` (tokens, or a share of the
+prompt: 0.03125 is YAKV's default share at 128K, where its floor of 512 tokens no longer counts).
+
+Writes benchmarks/results/hit_rate_<model>_<device>.{json,md,png} (ShadowKV), hit_rate_<model>_yakv_<device>.* .
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ def measure(model, ids: torch.Tensor, steps: int, **overrides) -> dict:
     return {
         "prompt_tokens": ids.shape[1],
         "steps": steps,
-        "rank": sizes.rank,
-        "budget": sizes.budget_chunks * cache.config.chunk_size,
+        "rank": sizes.rank if cache.config.mode == "shadowkv" else None,
+        "budget": sizes.budget_chunks * (cache.config.chunk_size if cache.config.mode == "shadowkv" else 1),
         "outlier_chunks": sizes.outliers,
         "compressed_layers": sum(layer.is_compressed for layer in cache.layers),
         "hit_rate": report.hit_rate,
@@ -72,6 +77,8 @@ def measure(model, ids: torch.Tensor, steps: int, **overrides) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="gemma3")
+    parser.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
+    parser.add_argument("--budgets", nargs="+", default=["default"], help="'default', tokens, or a share in (0, 1)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--steps", type=int, default=128, help="greedy decode steps per length")
     parser.add_argument("--device", default="cpu")
@@ -84,22 +91,32 @@ def main() -> None:
     rows = []
     env = environment(args.device, dtype)
     env["model"] = args.model
-    columns = ["prompt_tokens", "steps", "rank", "budget", "outlier_chunks", "compressed_layers", "hit_rate"]
+    env["mode"] = args.mode
+    columns = ["series", "prompt_tokens", "steps", "rank", "budget", "outlier_chunks", "compressed_layers", "hit_rate"]
     columns += ["steady_hit_rate", "device_ratio", "prefill_s", "decode_ms_per_step"]
+    name = "ShadowKV" if args.mode == "shadowkv" else "YAKV mode"
+    unit = "chunks" if args.mode == "shadowkv" else "tokens"
     for length in args.lengths:
-        row = measure(model, text[:, :length], args.steps, min_compress_len=min(1024, length // 2))
-        rows.append({"series": args.model, **row})
-        print({k: row[k] for k in ("prompt_tokens", "hit_rate", "steady_hit_rate", "budget", "rank")}, flush=True)
+        for budget in args.budgets:
+            overrides = {"min_compress_len": min(1024, length // 2), "mode": args.mode}
+            if budget != "default":
+                overrides["sparse_budget"] = float(budget) if "." in budget else int(budget)
+            row = measure(model, text[:, :length], args.steps, **overrides)
+            label = "default budget" if budget == "default" else f"budget {budget}"
+            rows.append({"series": f"{args.model}, {label}", **row})
+            print({k: row[k] for k in ("prompt_tokens", "hit_rate", "steady_hit_rate", "budget", "rank")}, flush=True)
         notes = (
-            f"ShadowKV at the package defaults (scaled to the prompt), {args.model}, greedy decoding of "
-            f"{args.steps} tokens after a natural-text prompt. `hit_rate`: `cache.memory_report().hit_rate` "
-            "(selected chunks already on the device / chunks selected, all steps, the cold first step included); "
-            "`steady_hit_rate`: the same from the second step on. `device_ratio`: device bytes / DynamicCache bytes."
+            f"{name} at the package defaults (scaled to the prompt) but for the budgets named in `series`, "
+            f"{args.model}, greedy decoding of {args.steps} tokens after a natural-text prompt. `hit_rate`: "
+            f"`cache.memory_report().hit_rate` (selected {unit} already on the device / {unit} selected, all steps, "
+            "the cold first step included); `steady_hit_rate`: the same from the second step on. `budget`: tokens "
+            "selected per KV head and step. `device_ratio`: device bytes / DynamicCache bytes."
         )
         plot = dict(x="prompt_tokens", y="steady_hit_rate", series="series", ylabel="hit rate from step 2 on")
+        suffix = "" if args.mode == "shadowkv" else "_yakv"
         write_results(
-            f"hit_rate_{args.model}_{args.device.split(':')[0]}",
-            f"Temporal-cache hit rate, {args.model}",
+            f"hit_rate_{args.model}{suffix}_{args.device.split(':')[0]}",
+            f"Hit rate of the selection from step to step, {name}, {args.model}",
             env,
             rows,
             columns,

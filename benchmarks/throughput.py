@@ -13,8 +13,8 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
    what SmolLM2 measured), and the best batch is rerun at h = 0, 0.8 and with the model's own selection.
 3. with `--methods ...,yakv`, YAKV mode too: a real prefill at batch 1 (its quantisation share), then a batch
    sweep with a synthetic fill (random 2-bit scoring codes on the GPU, random 4-bit key and value records in
-   pinned host memory) up to the host budget. YAKV keeps no temporal cache: every step fetches every selected
-   token's record, so there is no hit rate to set.
+   pinned host memory) up to the host budget. As for ShadowKV, the selection keeps a share of the previous step's
+   tokens by construction (`--yakv-h`), which sets the records a step fetches.
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
@@ -49,6 +49,10 @@ from benchmarks.throughput_sweeps import (
 )
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 
+# The YAKV sweep's hit rate: what SmolLM2 and Gemma 3 measured at YAKV's 128K budget share (benchmarks/hit_rate.py,
+# results/hit_rate_*_yakv_cpu.md).
+YAKV_H = 0.6
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
@@ -62,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=8)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--h-sweep", type=float, default=0.6, help="hit rate of the ShadowKV batch sweep")
+    p.add_argument("--yakv-h", type=float, default=YAKV_H, help="hit rate of the YAKV batch sweep (tokens)")
     p.add_argument("--host-gib", type=float, default=96.0, help="host memory the ShadowKV sweep may pin")
     p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
     p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")

@@ -231,8 +231,9 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
 
 
 def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
-    """4. Per context: YAKV mode over the batch sweep up to the host budget. Every step scores every token from the
-    device codes and fetches the top k tokens' 4-bit key and value records; no temporal cache, no hit rate."""
+    """4. Per context: YAKV mode over the batch sweep up to the host budget, at the controlled hit rate `--yakv-h`.
+    Every step scores every token from the device codes, selects the top k tokens and fetches the 4-bit key and value
+    records of those not held from the previous step."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
     # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
     yakv_config = mode_config(run.config, "yakv")
@@ -246,16 +247,17 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
             try:
                 free(device)
                 reset_peak(device)
-                cache = synthetic_cache(model, batch, length, yakv_config, host_blocks=blocks)
+                cache = synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
                 step = decode(model, cache, batch, args.warm, args.steps, device)
             except torch.OutOfMemoryError:
                 log(f"yakv {length} batch {batch}: out of GPU memory")
                 del cache
                 free(device)
                 break
-            bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, run.weights, run.hbm_bw)
+            hr = hit_rate(cache)
+            bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
             run.rec.add(dict(context=length, method="yakv", value_format="higgs4 k+v", fill="synthetic", batch=batch,
-                             tok_s=batch / step, step_ms=step * 1e3, **peaks(device),
+                             h_target=args.yakv_h, hit_rate=hr, tok_s=batch / step, step_ms=step * 1e3, **peaks(device),
                              host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
                              hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
             del cache

@@ -1,7 +1,9 @@
 // Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (design.md §4): each warp reads one
 // (row, head, token) record straight from the pinned host store through its device-visible address and writes
 // the token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
-// Twin: shadowkv_cache/ops/gather_dequant.py (`gather_dequant_reference`, i.e. `HiggsQuantizer.dequantize`).
+// With a `fetch` mask it refreshes held slots in place (YAKV's token reuse): only flagged slots are read and
+// written, so only the tokens missed since the previous step cross PCIe.
+// Twin: shadowkv_cache/ops/gather_dequant.py (`gather_dequant_reference`, `gather_dequant_missed_reference`).
 //
 // Legend: B batch, Hkv KV heads, K selected tokens per head, N stored tokens, D head dim, p grid dim,
 // M = D/p sub-vectors, E = 2*M + 4 record bytes, EPL coordinates per lane (D = 32*EPL, or D lanes of 1).
@@ -18,7 +20,8 @@
 /// \brief One warp per selected (row, head, token): read its record in place, write its key and value.
 ///
 /// \param keys, values  [B, Hkv, K, D] T, out
-/// \param ids           [B, Hkv, K] int64 token of each slot (< N)
+/// \param ids           [B, Hkv, K] int64 token of each slot (< N; not read where `fetch` is 0)
+/// \param fetch         [B, Hkv, K] bool slots to fetch, or null for all of them
 /// \param host          pinned records [R, Hkv, N, E], device-visible pointer; record (r, h, t) at
 ///                      r*row_stride + h*head_stride + t*E bytes
 /// \param row_map       [B] int64 stored row behind each cache row
@@ -27,7 +30,7 @@
 /// \param grid          [256, p] float32 grid points; \param signs [D] float32 (+-1), on the device
 /// Launch: grid ceil(total / 8), block 256 threads.
 template <typename T, int EPL>
-__device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids,
+__device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids, const bool* fetch,
                                                     const unsigned char* host, const long long* row_map,
                                                     long long row_stride, long long head_stride, int Hkv, int K,
                                                     long long total, int D, int p, int E, int vec4,
@@ -36,6 +39,7 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long slot = (long long)blockIdx.x * GD_WARPS + warp;
     if (slot >= total) return;  // uniform over the warp
+    if (fetch != nullptr && !fetch[slot]) return;  // a held token: its key and value are already in place
     const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
     const unsigned char* src = host + row_map[row] * row_stride + head * head_stride + ids[slot] * (long long)E;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(rec[warp]);
@@ -77,11 +81,11 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
 
 #define GATHER_DEQUANT(T, SUFFIX, EPL)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) gather_dequant_##SUFFIX##_e##EPL(                          \
-        T* keys, T* values, const long long* ids, const unsigned char* host, const long long* row_map,           \
-        long long row_stride, long long head_stride, int Hkv, int K, long long total, int D, int p, int E,       \
-        int vec4, const float* grid, const float* signs) {                                                       \
-        gather_dequant_impl<T, EPL>(keys, values, ids, host, row_map, row_stride, head_stride, Hkv, K, total, D, \
-                                    p, E, vec4, grid, signs);                                                    \
+        T* keys, T* values, const long long* ids, const bool* fetch, const unsigned char* host,                  \
+        const long long* row_map, long long row_stride, long long head_stride, int Hkv, int K, long long total,  \
+        int D, int p, int E, int vec4, const float* grid, const float* signs) {                                  \
+        gather_dequant_impl<T, EPL>(keys, values, ids, fetch, host, row_map, row_stride, head_stride, Hkv, K,    \
+                                    total, D, p, E, vec4, grid, signs);                                          \
     }
 #define GATHER_DEQUANT_ALL(T, SUFFIX)                                                                             \
     GATHER_DEQUANT(T, SUFFIX, 1) GATHER_DEQUANT(T, SUFFIX, 2) GATHER_DEQUANT(T, SUFFIX, 4)                       \

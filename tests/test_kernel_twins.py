@@ -23,7 +23,7 @@ from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
 from shadowkv_cache.ops.rebuild_keys import RopeLayout, rope_reference
 from shadowkv_cache.ops.score_codes import attention_scores
-from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
+from shadowkv_cache.ops.temporal_scan import temporal_scan_reference, temporal_scan_sorted
 from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.stores.pinned_pool import PinnedPool
 from shadowkv_cache.stores.value_store import HostValueStore
@@ -83,6 +83,38 @@ def test_temporal_scan_twin_fills_free_slots_in_order():
     # 9 stays in slot 3; new chunks 1, 2 take free slots 0, 1; slot 2 (7, no longer wanted) empties.
     assert new_ids.tolist() == [[[1, 2, -1, 9]]]
     assert miss.tolist() == [[[True, True, False, False]]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    slots=st.integers(1, 40),
+    extra=st.integers(0, 60),
+    seed=st.integers(0, 10**6),
+)
+def test_sorted_temporal_scan_equals_the_twin(batch, heads, slots, extra, seed):
+    """The O(K log K) scan (YAKV's thousands of tokens per head) gives the twin's ids and misses exactly."""
+    ids, wanted, valid = random_scan_case(batch, heads, slots, slots + extra, seed)
+    got_ids, got_miss = temporal_scan_sorted(ids, wanted, valid)
+    want_ids, want_miss = temporal_scan_reference(ids, wanted, valid)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_miss, want_miss)
+
+
+def test_sorted_temporal_scan_at_yakv_sizes():
+    """4096 slots per head, where the twin's K x K comparison would take 16M entries per head: a step that keeps
+    60% of the previous one's tokens holds the new selection and misses exactly the rest."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, slots, tokens = 2, 2, 4096, 131072
+    perm = torch.stack([torch.randperm(tokens, generator=gen) for _ in range(batch * heads)]).view(batch, heads, -1)
+    ids = perm[..., :slots].contiguous()
+    kept = int(0.6 * slots)
+    wanted = torch.cat([perm[..., slots - kept : slots].flip(-1), perm[..., slots : 2 * slots - kept]], dim=-1)
+    valid = torch.ones_like(wanted, dtype=torch.bool)
+    new_ids, miss = temporal_scan_sorted(ids, wanted, valid)
+    assert torch.equal(new_ids.sort(-1).values, wanted.sort(-1).values)
+    assert int(miss.sum()) == batch * heads * (slots - kept)
+    assert torch.equal(new_ids[~miss], ids[~miss])  # a held token never moves
 
 
 @settings(max_examples=40, deadline=None)

@@ -56,7 +56,6 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 ARCHS = ("llama", GEMMA3)
 NEW_TOKENS = 24  # past the first eager step of each layer, so that its CUDA graph is captured and replayed
-HOST = {"budget_host"}  # prompt fields kept on the host on purpose (byte counts without a synchronisation)
 
 
 def halves_map(model: torch.nn.Module, first, second, rotary) -> dict:
@@ -111,12 +110,10 @@ def assert_state_on(cache: ShadowKVCache, devices: dict[int, torch.device], grap
             )
             store = prompt.values
         else:
+            held = layer.mode.held
+            tensors.update({"held.ids": held.ids, "held.keys": held.keys, "held.hits": held.hits})
             store = prompt.store
-        wrong = {
-            name: t.device
-            for name, t in tensors.items()
-            if isinstance(t, torch.Tensor) and name not in HOST and t.device != device
-        }
+        wrong = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.device != device}
         assert not wrong, f"layer {i} on {device} holds {wrong}"
         assert store.data.device.type == "cpu" and store.data.is_pinned() == (device.type == "cuda")
         if store.stored_rows.device is not None:

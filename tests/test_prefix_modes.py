@@ -285,7 +285,7 @@ def test_yakv_prefill_batch_holds_exact_rows_beside_quantised_ones():
     ids, mask = left_pad([random_prompt(n, seed=750 + n)[0] for n in (40, 300, 50)])
     cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=2, **yakv())
     prompt = cache.layers[0].prompt
-    assert prompt.budget_host.tolist() == [0, 24, 0] and not prompt.real[[0, 2]].any()
+    assert prompt.budget_tokens.tolist() == [0, 24, 0] and not prompt.real[[0, 2]].any()
     assert prompt.local_valid.sum(-1).tolist() == [39, RECENT, 49]  # prefill_batch holds back each last token
     ref_cache = ShadowKVCache(model, **yakv())  # the reference: the batch but its last token in one forward
     head = mask[:, :-1]

@@ -76,7 +76,8 @@ def expected_device_bytes(config: ShadowKVConfig) -> int:
     local = 2 * B * hkv * w * d * f + B * w  # keys, values, validity
     if config.mode == "yakv":
         m = d // config.score_grid_dim
-        return B * hkv * n * m + B * hkv * n * 2 + B * n + B * i64 + local  # codes, norms, real, budget
+        held = B * hkv * k * i64 + 2 * B * hkv * k * d * f  # ids, keys, values of the held tokens
+        return B * hkv * n * m + B * hkv * n * 2 + B * n + B * i64 + local + held  # codes, norms, real, budget
     c, o, r = config.chunk_size, size.outliers, size.rank
     prompt = B * n * c * r * f + B * r * hkv * d * f + B * n * c * i64  # a, b, positions
     prompt += B * hkv * n * d * f + B * hkv * n + B * i64  # landmarks, selectable, budget
@@ -125,11 +126,11 @@ def test_layer_sizes_of_each_value_format():
 
 
 @pytest.mark.parametrize("hit_rate", [0.0, 0.5, 0.75, 1.0])
-@pytest.mark.parametrize("value_format", ["native", "fp8"])
-def test_constructed_hit_rate_is_measured(hit_rate, value_format):
-    cache = synthetic_cache(model(), B, S, hit_rate=hit_rate, **dict(SETTINGS, value_format=value_format))
+@pytest.mark.parametrize("settings", [MODES[0], MODES[1], MODES[-1]])
+def test_constructed_hit_rate_is_measured(hit_rate, settings):
+    cache = synthetic_cache(model(), B, S, hit_rate=hit_rate, **settings)
     decode(cache, 1)
-    assert cache.memory_report().hit_rate == 0.0  # the first step finds an empty temporal cache
+    assert cache.memory_report().hit_rate == 0.0  # the first step finds nothing held
     reset_hit_counts(cache)
     decode(cache, 5)
     k = layer_sizes(model(), cache.config, S).resolved.budget_chunks
@@ -149,18 +150,27 @@ def test_selection_figures_count_what_was_built_and_moved(settings):
     assert figures.prompt_units == layers * NUM_KV_HEADS * size.resolved.num_chunks
     if cache.config.mode == "yakv":
         assert (figures.rank, figures.unit_tokens, figures.record_bytes) == (None, 1, size.record_bytes)
-        assert figures.fetched_bytes == 3 * layers * B * NUM_KV_HEADS * k * size.record_bytes
+        assert figures.lookups == 3 * layers * B * NUM_KV_HEADS * k
+        assert figures.fetched_bytes == (figures.lookups - figures.hits) * size.record_bytes
     else:
         assert (figures.rank, figures.unit_tokens) == (size.resolved.rank, cache.config.chunk_size)
         assert figures.lookups == 3 * layers * B * NUM_KV_HEADS * k
         assert figures.hits / figures.lookups == cache.memory_report().hit_rate
 
 
-def test_reset_hit_counts_leaves_other_modes_alone():
+def test_reset_hit_counts_zeroes_yakv_held_tokens():
     cache = synthetic_cache(model(), B, S, **MODES[-1].values[0])
     decode(cache, 1)
+    assert cache.memory_report().hit_rate == 0.0  # the first step holds no token yet
     reset_hit_counts(cache)
-    assert cache.memory_report().hit_rate is None  # YAKV keeps no temporal cache
+    assert cache.memory_report().hit_rate is None  # nothing counted since the reset
+    decode(cache, 2)
+    figures = selection_figures(cache)
+    assert (
+        figures.lookups
+        == 2 * len(cache.layers) * B * NUM_KV_HEADS * layer_sizes(model(), cache.config, S).resolved.budget_chunks
+    )
+    assert cache.memory_report().hit_rate == figures.hits / figures.lookups
 
 
 def stored_rows(layer) -> torch.Tensor:

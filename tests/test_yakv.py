@@ -94,8 +94,11 @@ def test_full_budget_matches_dynamic_cache_on_quantised_prompt(model):
         assert isinstance(layer, CompressedLayer) and isinstance(layer.mode, YakvMode) and layer.is_compressed
         assert layer.prompt.real.sum() == PROMPT - RECENT
         assert layer.mode.sparse_steps == STEPS - 1  # every decode step selected (the first logits are the prefill's)
+        # Every token is selected at every step: the first sparse step fetches them all, later ones hold them.
+        selected = (PROMPT - RECENT) * NUM_KV_HEADS
         record = 2 * HEAD_DIM // 2 + 4
-        assert layer.mode.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
+        assert layer.mode.fetched_bytes == selected * record
+        assert layer.mode.hit_counts() == ((STEPS - 2) * selected, (STEPS - 1) * selected)
 
 
 def test_quantisation_changes_the_output():
@@ -176,7 +179,9 @@ def test_multi_turn_reads_every_token_and_matches_the_reference(llama):
     assert layer.mode.sparse_steps == 3
     record = 2 * HEAD_DIM // 2 + 4
     dense = (PROMPT - RECENT) * NUM_KV_HEADS * record
-    assert layer.mode.fetched_bytes == dense + 3 * 24 * NUM_KV_HEADS * record
+    hits, lookups = layer.mode.hit_counts()
+    assert lookups == 3 * 24 * NUM_KV_HEADS and 0 <= hits <= 2 * 24 * NUM_KV_HEADS  # the first sparse step holds none
+    assert layer.mode.fetched_bytes == dense + (lookups - hits) * record
 
 
 def test_crop_then_next_turn_equals_fresh_turn(llama):
@@ -251,13 +256,17 @@ def test_memory_report_counts_device_and_host_bytes(llama):
     # whatever `generated`, with one validity byte per slot)
     capacity = 256
     exact = 2 * NUM_KV_HEADS * (RECENT + capacity) * HEAD_DIM * 4 + capacity
-    device = score_bytes + exact + quantised + RECENT + 8  # + real-token and recent-window masks + budget
+    # The held tokens: 24 slots per KV head (the budget), an int64 id and fp32 key and value each
+    held = 24 * NUM_KV_HEADS * (8 + 2 * HEAD_DIM * 4)
+    device = score_bytes + exact + quantised + RECENT + 8 + held  # + real-token and recent-window masks + budget
     host = quantised * NUM_KV_HEADS * (2 * HEAD_DIM // 2 + 4)
     assert [m.gpu_bytes for m in report.layers] == [device, device]
     assert [m.host_bytes for m in report.layers] == [host, host]
     full = 2 * NUM_KV_HEADS * (PROMPT + generated) * HEAD_DIM * 4
     assert report.dynamic_cache_bytes == 2 * full
-    assert report.hit_rate is None  # no temporal cache in YAKV mode
+    counts = [layer.hit_counts() for layer in cache.layers]
+    assert report.hit_rate == sum(h for h, _ in counts) / sum(n for _, n in counts)
+    assert all(n == generated * 24 * NUM_KV_HEADS for _, n in counts)  # the 3 single-token steps selected
 
 
 @pytest.mark.parametrize(

@@ -209,9 +209,15 @@ def test_full_budget_matches_dynamic_cache_on_quantised_prompt(llama, name):
     assert torch.equal(out.sequences[:, PROMPT:], ref_tokens)
     assert_logits_close(out.logits, ref_logits)
     record = 2 * HEAD_DIM // 2 + 4
+    selected = (PROMPT - RECENT) * NUM_KV_HEADS  # every token, at every step
     for layer in cache.layers:
         assert layer.mode.sparse_steps == STEPS - 1
-        assert layer.mode.fetched_bytes == (STEPS - 1) * (PROMPT - RECENT) * NUM_KV_HEADS * record
+        if layer.mode.policy.shares_budget:  # fetched afresh at every step (valid entries only)
+            assert layer.mode.fetched_bytes == (STEPS - 1) * selected * record
+            assert layer.mode.hit_counts() is None
+        else:  # fetched once, then held
+            assert layer.mode.fetched_bytes == selected * record
+            assert layer.mode.hit_counts() == ((STEPS - 2) * selected, (STEPS - 1) * selected)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -15,7 +15,12 @@ import torch
 from helpers import generate_with, make_tiny_model, random_prompt
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_reference
+from shadowkv_cache.ops.gather_dequant import (
+    gather_dequant,
+    gather_dequant_missed,
+    gather_dequant_missed_reference,
+    gather_dequant_reference,
+)
 from shadowkv_cache.ops.loader import kernels_available, load_kernels
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
 from shadowkv_cache.ops.score_codes import _SOFTMAX_TILE, _THREADS, attention_scores, code_scores, code_scores_reference
@@ -99,6 +104,27 @@ def test_gather_dequant_kernel_reads_a_shared_document_in_place():
     for row in range(4):
         alone = gather_dequant(store, ids[row : row + 1], quantizer, torch.bfloat16)
         assert torch.equal(got[0][row], alone[0][0]) and torch.equal(got[1][row], alone[1][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, heads, num, k, dim", [(3, 8, 311, 256, 128), (2, 3, 40, 7, 16), (2, 2, 33, 5, 256)])
+def test_gather_dequant_missed_kernel_matches_twin(dtype, rows, heads, num, k, dim):
+    """The held-token refresh: missed slots as the twin writes them, every other slot (empty ones included, id -1)
+    neither read nor written."""
+    torch.manual_seed(2)
+    quantizer = HiggsQuantizer(dim, 2)
+    store = pinned_store(rows, heads, num, quantizer).select_rows(torch.tensor([rows - 1, 0, rows - 1]))
+    ids = torch.randint(0, num, (3, heads, k), device=CUDA)
+    missed = torch.rand(3, heads, k, device=CUDA) < 0.4
+    ids[~missed & (torch.rand(3, heads, k, device=CUDA) < 0.3)] = -1
+    keys = torch.full((3, heads, k, dim), 5.0, dtype=dtype, device=CUDA)
+    values = torch.full_like(keys, -5.0)
+    want_keys, want_values = keys.clone(), values.clone()
+    gather_dequant_missed(store, ids, missed, quantizer, keys, values)
+    gather_dequant_missed_reference(store, ids, missed, quantizer, want_keys, want_values)
+    assert_dequantised_close(keys, want_keys)
+    assert_dequantised_close(values, want_values)
+    assert keys[~missed].eq(5.0).all() and values[~missed].eq(-5.0).all()
 
 
 def test_gather_dequant_kernel_handles_an_empty_selection():

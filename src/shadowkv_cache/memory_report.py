@@ -50,7 +50,9 @@ class MemoryReport:
     """Totals and per-layer figures. `ratio` = device bytes / `DynamicCache` bytes (lower is better)."""
 
     layers: tuple[LayerMemory, ...]
-    hit_rate: float | None  # share of selected chunks already on the device; None before any sparse step
+    # Share of selected chunks (YAKV: tokens) already on the device from the previous step; None before any sparse
+    # step.
+    hit_rate: float | None
 
     @property
     def gpu_bytes(self) -> int:

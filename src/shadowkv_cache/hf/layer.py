@@ -172,8 +172,8 @@ class CompressedLayer(DynamicLayer):
         self._graph = None
 
     def drop_decode_state(self) -> None:
-        """Free what only decoding needs (ShadowKV's temporal cache) in a cache that is only prefilled (a micro
-        batch that is joined next); a later sparse step makes it again."""
+        """Free what only decoding needs (ShadowKV's temporal cache, YAKV's held tokens) in a cache that is only
+        prefilled (a micro batch that is joined next); a later sparse step makes it again."""
         if self.prompt is not None:
             self.mode.drop_decode_state()
 

@@ -7,6 +7,9 @@ the ids there: one synchronisation per call on CUDA), copies the records to the 
 On CUDA with a pinned store, `kernels/gather_dequant.cu` reads each selected record in place through its
 device-visible address (zero copy, ids stay on the device, no synchronisation) and decodes it on the way:
 only the ~4-bit records cross PCIe.
+
+`gather_dequant_missed` refreshes a layer's held tokens in place (YAKV's token reuse, design.md §4): only the slots
+flagged as missed by the temporal scan are read and written, so a step moves the records of its new tokens alone.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from ..quant import HiggsQuantizer
 from ..stores.quantized_store import QuantizedKVStore, record_bytes, unpack_records
 from .loader import kernels_available, load_kernels
 
-__all__ = ["dequant_records", "gather_dequant", "gather_dequant_reference", "gather_records"]
+__all__ = [
+    "dequant_records",
+    "gather_dequant",
+    "gather_dequant_missed",
+    "gather_dequant_missed_reference",
+    "gather_dequant_reference",
+    "gather_records",
+]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DIM = 256  # 8 coordinates per lane; the kernel's record buffer holds (D + 4) bytes at most
@@ -52,6 +62,21 @@ def gather_dequant_reference(
     return dequant_records(gather_records(store, ids), quantizer, dtype)
 
 
+def gather_dequant_missed_reference(
+    store: QuantizedKVStore,
+    ids: torch.Tensor,
+    missed: torch.Tensor,
+    quantizer: HiggsQuantizer,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """The PyTorch twin of `gather_dequant_missed` (synchronises on CUDA)."""
+    fresh_keys, fresh_values = gather_dequant_reference(store, ids.clamp(min=0), quantizer, keys.dtype)
+    flag = missed[..., None]
+    keys.copy_(torch.where(flag, fresh_keys, keys))
+    values.copy_(torch.where(flag, fresh_values, values))
+
+
 def gather_dequant(
     store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +87,45 @@ def gather_dequant(
     round-off before the one rounding to `dtype`.
     """
     batch, heads, k = ids.shape
-    dim = quantizer.head_dim
     if not _kernel_fits(store, ids, quantizer, dtype):
         return gather_dequant_reference(store, ids, quantizer, dtype)
-    keys = torch.empty((batch, heads, k, dim), dtype=dtype, device=ids.device)
+    keys = torch.empty((batch, heads, k, quantizer.head_dim), dtype=dtype, device=ids.device)
     values = torch.empty_like(keys)
+    _launch(store, ids, None, quantizer, keys, values)
+    return keys, values
+
+
+def gather_dequant_missed(
+    store: QuantizedKVStore,
+    ids: torch.Tensor,
+    missed: torch.Tensor,
+    quantizer: HiggsQuantizer,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Write into `keys` and `values` (`[B, Hkv, K, D]`, contiguous) the tokens `ids` (`[B, Hkv, K]` int64) of the
+    slots flagged in `missed` (`[B, Hkv, K]` bool); other slots are neither read from the store nor written (their
+    ids may be -1). Same numerics as `gather_dequant`."""
+    if not (_kernel_fits(store, ids, quantizer, keys.dtype) and keys.is_contiguous() and values.is_contiguous()):
+        gather_dequant_missed_reference(store, ids, missed, quantizer, keys, values)
+        return
+    _launch(store, ids, missed.contiguous(), quantizer, keys, values)
+
+
+def _launch(
+    store: QuantizedKVStore,
+    ids: torch.Tensor,
+    fetch: torch.Tensor | None,
+    quantizer: HiggsQuantizer,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """The kernel over every slot of `ids`, or only those flagged in `fetch` (bool, same shape)."""
+    batch, heads, k = ids.shape
     total = batch * heads * k
     if not total:
-        return keys, values
+        return
+    dim = quantizer.head_dim
     data = store.data
     record = data.shape[-1]
     host = store.device_pointer(ids.device)
@@ -78,13 +134,14 @@ def gather_dequant(
     per_lane = max(1, dim // 32)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     load_kernels("gather_dequant", ids.device).launch(
-        f"gather_dequant_{_KERNEL_DTYPES[dtype]}_e{per_lane}",
+        f"gather_dequant_{_KERNEL_DTYPES[keys.dtype]}_e{per_lane}",
         grid=(-(-total // _WARPS), 1, 1),
         block=(32 * _WARPS, 1, 1),
         args=[
             keys,
             values,
             ids.contiguous(),
+            fetch if fetch is not None else (0, ctypes.c_void_p),
             (host, ctypes.c_void_p),
             store.device_row_map(ids.device),
             (row_stride, i64),
@@ -100,7 +157,6 @@ def gather_dequant(
             signs,
         ],
     )
-    return keys, values
 
 
 def _kernel_fits(store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype) -> bool:

@@ -5,7 +5,11 @@ Legend: B batch, Hkv KV heads, K slots (selected chunks per head).
 Held keys and values never move: a slot keeps its chunk while that chunk is still wanted; every newly
 wanted chunk takes a freed slot (the m-th new chunk in wanted order goes to the m-th free slot in slot
 order); free slots left over become empty (-1). Fixed-size outputs, so nothing here waits for the host.
-Kernel: `kernels/temporal_scan.cu`.
+
+Three implementations of one meaning: `temporal_scan_reference` (the definition: every slot against every wanted
+entry, O(K^2) memory), `kernels/temporal_scan.cu` (the same comparisons in shared memory, one block per head: fast
+for ShadowKV's few hundred chunks) and `temporal_scan_sorted` (membership by sorting and binary search, O(K log K):
+YAKV's thousands of tokens per head, on any device, without a host synchronisation).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import torch
 
 from .loader import kernels_available, load_kernels
 
-__all__ = ["MAX_KERNEL_SLOTS", "temporal_scan", "temporal_scan_reference"]
+__all__ = ["MAX_KERNEL_SLOTS", "temporal_scan", "temporal_scan_reference", "temporal_scan_sorted"]
 
 MAX_KERNEL_SLOTS = 2048  # the kernel keeps 22 bytes of shared memory per slot
+# Above this many slots the kernel's K^2 comparisons per head (and the reference's K^2 memory) cost more than sorting.
+QUADRATIC_SLOTS = 1024
 
 
 def temporal_scan_reference(
@@ -41,6 +47,32 @@ def temporal_scan_reference(
     return new_ids, takes
 
 
+def temporal_scan_sorted(
+    ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`temporal_scan_reference`'s result, with membership found by binary search in sorted copies (O(K log K))."""
+    num_slots = ids.shape[-1]
+    want = wanted.masked_fill(~valid, -1)
+    held = ids >= 0
+    last = num_slots - 1
+    sorted_want = want.sort(dim=-1).values
+    at = torch.searchsorted(sorted_want, ids).clamp(max=last)
+    keep = held & (sorted_want.gather(-1, at) == ids)  # per slot: its unit is wanted again
+    sorted_ids = ids.sort(dim=-1).values
+    at = torch.searchsorted(sorted_ids, want).clamp(max=last)
+    new = (want >= 0) & (sorted_ids.gather(-1, at) != want)  # per wanted entry: not held
+    free = ~keep
+    free_rank = free.long().cumsum(dim=-1) - 1
+    new_rank = new.long().cumsum(dim=-1) - 1
+    # The m-th new unit in wanted order at index m; entries that are not new go to a spare last column.
+    incoming = torch.full((*ids.shape[:-1], num_slots + 1), -1, dtype=ids.dtype, device=ids.device)
+    incoming.scatter_(-1, torch.where(new, new_rank, num_slots), want)
+    takes = free & (free_rank < new.sum(dim=-1, keepdim=True))
+    arriving = incoming.gather(-1, free_rank.clamp(min=0))
+    new_ids = torch.where(takes, arriving, torch.where(keep, ids, torch.full_like(ids, -1)))
+    return new_ids, takes
+
+
 def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Update the held chunk ids for this step's selection; returns `(ids, miss)`.
 
@@ -51,6 +83,8 @@ def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) 
         valid (`torch.Tensor`): `[B, Hkv, K]` bool, which entries of `wanted` count.
     """
     num_slots = ids.shape[-1]
+    if num_slots > QUADRATIC_SLOTS:
+        return temporal_scan_sorted(ids, wanted, valid)
     if not (kernels_available(ids.device) and 0 < num_slots <= MAX_KERNEL_SLOTS and ids.is_contiguous()):
         return temporal_scan_reference(ids, wanted, valid)
     kernels = load_kernels("temporal_scan", ids.device)

@@ -10,8 +10,8 @@ Legend: B batch, Hkv KV heads, N tokens, k tokens per KV head on average, K' = m
 
 Heads get different counts, so the selection is `ids` plus a validity mask (`SelectionPolicy.select_valid`);
 YAKV layers attend to the valid entries only. The shapes stay static (no host synchronisation): every head has
-`K'` slots. The bytes counted per step are the valid ones (`Hkv*k` per row, as without sharing); the PyTorch
-gather still reads all `K'` records, so a fetch kernel that skips invalid slots is what makes it pay on a GPU.
+`K'` slots. The fetch reads the valid entries only (`ops/gather_dequant.gather_dequant_missed`); YAKV mode does not
+keep a shared selection from step to step (`yakv/mode.py`).
 """
 
 from __future__ import annotations

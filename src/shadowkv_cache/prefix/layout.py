@@ -203,7 +203,6 @@ def read_layer(
             policy_state=policy_state,
             real=tensors[p + "real"].to(device, copy=True),
             budget_tokens=torch.tensor([budget], device=device),
-            budget_host=torch.tensor([budget]),
             local_keys=tensors[p + "local_keys"].to(device, copy=True),
             local_values=tensors[p + "local_values"].to(device, copy=True),
             local_valid=tensors[p + "local_valid"].to(device, copy=True),

@@ -8,7 +8,7 @@ supported interface instead of the package's internals. Imported on first use, l
   (ShadowKV mode in any value format, or YAKV mode) at a context length, without a prefill; `layer_sizes` gives
   what one layer holds per row; `pinned_blocks`, `pinned_bytes`, `release_pinned` manage the pinned host memory
   such caches (and prefills) draw from.
-- `ControlledHitRate(h)`: a policy whose steps keep a share `h` of the previous step's chunks;
+- `ControlledHitRate(h, inner)`: a policy whose steps keep a share `h` of the previous step's chunks or tokens;
   `reset_hit_counts(cache)` zeroes the counters behind `memory_report().hit_rate`.
 - `continue_with_policy(base, model, policy, sparse_budget)`: a cache that continues a prefilled one with another
   policy and budget, sharing its compressed prompt.

@@ -28,7 +28,8 @@ class SelectionFigures:
             that reads the whole prompt moves per row.
         record_bytes (`int` or `None`): YAKV: bytes of one (head, token) key and value record.
         fetched_bytes (`int` or `None`): YAKV: record bytes fetched so far.
-        hits, lookups (`int`): ShadowKV: selected chunks found in the temporal cache, and chunks selected, so far.
+        hits, lookups (`int`): selected units found on the device from the previous step (ShadowKV's temporal
+            cache, YAKV's held tokens), and units selected, so far.
     """
 
     mode: str

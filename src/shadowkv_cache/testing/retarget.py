@@ -64,9 +64,8 @@ def continue_with_policy(
         state = policy_state(prompt.policy_state) if policy_state is not None else prompt.policy_state
         if isinstance(prompt, QuantizedPrompt):  # YAKV: a budget of tokens, clamped to each row's
             budget = prompt.real.sum(dim=-1).clamp(max=sparse_budget).to(torch.int64)  # [B]
-            host = budget.cpu()
             prompt = dataclasses.replace(
-                prompt, policy_state=state, budget_tokens=budget, budget_host=host, max_budget_tokens=int(host.max())
+                prompt, policy_state=state, budget_tokens=budget, max_budget_tokens=int(budget.max())
             )
         else:  # as ShadowKVConfig.resolve: ceil(budget / c) chunks, clamped to each row's selectable chunks
             wanted = math.ceil(sparse_budget / prompt.chunk_size)

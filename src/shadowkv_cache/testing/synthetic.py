@@ -109,8 +109,8 @@ def synthetic_cache(
         context (`int`): S, prompt tokens per row (at least `min_compress_len`).
         config, policy, **overrides: as for `ShadowKVCache(model, ...)`. ShadowKV mode needs a `LandmarkTopK`
             (or subclass) policy, whose state is the landmarks; YAKV mode a `QuantizedKeyTopK`.
-        hit_rate (`float`, *optional*): ShadowKV mode: select through `ControlledHitRate(hit_rate)`, so that each
-            step keeps this share of the previous step's chunks (instead of `policy`).
+        hit_rate (`float`, *optional*): select through `ControlledHitRate(hit_rate, <the mode's own policy>)`, so
+            that each step keeps this share of the previous step's chunks (YAKV: tokens), instead of `policy`.
         host_blocks (sequence of `torch.Tensor`, *optional*): one flat uint8 CPU tensor per layer (pinned for zero-copy
             fetches) that the layer's host store is carved from (payload first, scales 256-byte aligned after it);
             the default draws from the pinned pool on CUDA with `pin_memory`, else plain CPU memory.
@@ -120,11 +120,11 @@ def synthetic_cache(
     >>> cache = synthetic_cache(model, batch=32, context=131072, value_format="fp8", hit_rate=0.6)  # doctest: +SKIP
     >>> model(input_ids=token, past_key_values=cache)  # doctest: +SKIP
     """
-    if hit_rate is not None:
-        if policy is not None:
-            raise ValueError("Pass either policy or hit_rate, not both.")
-        policy = ControlledHitRate(hit_rate)
+    if hit_rate is not None and policy is not None:
+        raise ValueError("Pass either policy or hit_rate, not both.")
     cache = ShadowKVCache(model, config, policy, **overrides)
+    if hit_rate is not None:  # the mode's own policy (as the config sets it), wrapped
+        cache = ShadowKVCache(model, cache.config, ControlledHitRate(hit_rate, cache.policy))
     config = cache.config
     layers = cache.layers
     if not all(isinstance(layer, CompressedLayer) for layer in layers):
@@ -134,10 +134,11 @@ def synthetic_cache(
         raise ValueError(f"context={context} is below min_compress_len={config.min_compress_len}: nothing to fill.")
     if host_blocks is not None and len(host_blocks) != len(layers):
         raise ValueError(f"host_blocks needs one block per layer ({len(layers)}); got {len(host_blocks)}.")
-    if config.mode == "yakv" and not isinstance(cache.policy, QuantizedKeyTopK):
-        raise TypeError(f"YAKV mode fills QuantizedKeyTopK's state; got {type(cache.policy).__name__}.")
-    if config.mode == "shadowkv" and not isinstance(cache.policy, LandmarkTopK):
-        raise TypeError(f"ShadowKV mode fills LandmarkTopK's state (landmarks); got {type(cache.policy).__name__}.")
+    filled = _state_policy(cache.policy)
+    if config.mode == "yakv" and not isinstance(filled, QuantizedKeyTopK):
+        raise TypeError(f"YAKV mode fills QuantizedKeyTopK's state; got {type(filled).__name__}.")
+    if config.mode == "shadowkv" and not isinstance(filled, LandmarkTopK):
+        raise TypeError(f"ShadowKV mode fills LandmarkTopK's state (landmarks); got {type(filled).__name__}.")
     dtype = next(model.parameters()).dtype
     devices = attention_devices(model)  # each layer on its own device in a model split by accelerate
     stored = 1 if share_stored_row else batch
@@ -194,6 +195,11 @@ class _HostMemory:
         return self.block[start : start + nbytes].view(dtype).view(shape)
 
 
+def _state_policy(policy: SelectionPolicy) -> SelectionPolicy:
+    """The policy whose state a layer holds: a `ControlledHitRate`'s inner one."""
+    return policy.inner if isinstance(policy, ControlledHitRate) else policy
+
+
 def _rows_map(batch: int, stored: int) -> torch.Tensor:
     return torch.zeros(batch, dtype=torch.int64) if stored < batch else torch.arange(batch)
 
@@ -238,7 +244,7 @@ def _shadowkv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dt
 def _yakv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dtype, host: _HostMemory):
     size, hkv, d, e = sizes.resolved, sizes.num_kv_heads, sizes.head_dim, sizes.record_bytes
     n, k, w = size.num_chunks, size.budget_chunks, size.local
-    m = d // cache.policy.grid_dim
+    m = d // _state_policy(cache.policy).grid_dim
     norm = torch.tensor([d**0.5], dtype=torch.float16).view(torch.uint8)  # its two bytes
     one_row = torch.randint(0, 256, (hkv, n, e), dtype=torch.uint8)
     one_row[..., 0:2], one_row[..., 2:4] = norm, norm  # key and value norms: a finite fp16, not random bits
@@ -254,7 +260,6 @@ def _yakv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dtype,
         },
         real=torch.ones(batch, n, dtype=torch.bool, device=device),
         budget_tokens=torch.full((batch,), k, dtype=torch.int64, device=device),
-        budget_host=torch.full((batch,), k, dtype=torch.int64),
         local_keys=torch.randn(batch, hkv, w, d, device=device, dtype=dtype),
         local_values=torch.randn(batch, hkv, w, d, device=device, dtype=dtype),
         local_valid=torch.ones(batch, w, dtype=torch.bool, device=device),

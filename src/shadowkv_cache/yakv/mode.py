@@ -5,10 +5,14 @@ Legend: B batch, Hq/Hkv query/KV heads, T query tokens, N quantised prompt token
 tokens per KV head, D head dim.
 
 At prefill the prompt's post-RoPE keys and values are quantised ~4-bit into host memory and a ~2-bit copy of every
-key stays on the device. Each decode step scores every token from that copy, fetches and dequantises the top-K
-tokens per KV head, and attends exactly over them, the recent window and the tokens after the prompt. No SVD,
-landmarks, outliers or temporal cache. The step still synchronises with the host (the fetched byte count), so it is
-not captured as a CUDA graph.
+key stays on the device. Each decode step scores every token from that copy, selects the top-K tokens per KV head,
+keeps the ones the previous step already fetched (`HeldTokens`), fetches and dequantises the others, and attends
+exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. The step is
+not yet captured as a CUDA graph.
+
+A policy that shares the budget across heads (`SharedBudgetTopK`) gives each head up to `Hkv*k` slots, of which
+`k` are valid on average: holding them all would take `Hkv` times the memory, so such a step fetches its valid
+selection afresh (no reuse).
 """
 
 from __future__ import annotations
@@ -17,24 +21,25 @@ import torch
 
 from ..config import ShadowKVConfig
 from ..core.attention import NO_TERMS, LogitTerms, Part, attend_parts
-from ..ops.gather_dequant import dequant_records, gather_dequant
+from ..ops.gather_dequant import dequant_records, gather_dequant_missed
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
+from .held_tokens import HeldTokens
 from .prompt import QuantizedPrompt, quantize_prompt
 
 __all__ = ["YakvMode"]
 
 
 class YakvMode:
-    """One layer's YAKV state: the quantised prompt, and the bytes it has fetched.
+    """One layer's YAKV state: the quantised prompt, the tokens held from the previous step, and the bytes fetched.
 
     Args:
         config (`ShadowKVConfig`): sizes and switches (`mode="yakv"`).
         policy (`SelectionPolicy`): a token-granularity policy (`QuantizedKeyTopK` by default).
 
     Attributes:
-        fetched_bytes (`int`): host-to-device bytes of quantised records read so far (selected tokens of
-            single-token steps, every token of dense multi-token steps), counted without synchronising.
+        held (`HeldTokens` or `None`): the selected tokens, dequantised on the device, made with the prompt (never
+            with a policy that shares the budget across heads).
         sparse_steps (`int`): decode steps that selected tokens.
     """
 
@@ -44,9 +49,11 @@ class YakvMode:
     def __init__(self, config: ShadowKVConfig, policy: SelectionPolicy, quantizer: HiggsQuantizer | None = None):
         self.config, self.policy = config, policy
         self.prompt: QuantizedPrompt | None = None
-        self.fetched_bytes = 0
+        self.held: HeldTokens | None = None
         self.sparse_steps = 0
         self._quantizer = quantizer
+        self._dense_bytes = 0  # read by dense multi-token steps (known on the host)
+        self._fetched_records: torch.Tensor | None = None  # by single-token steps (counted on the device)
 
     def empty_like(self) -> YakvMode:
         """A mode of the same settings that holds nothing; it shares the quantiser, whose tables are already on the
@@ -78,17 +85,39 @@ class YakvMode:
         self.set_prompt(prompt)
         return prompt is not None
 
+    @property
+    def fetched_bytes(self) -> int:
+        """Host-to-device bytes of quantised records read so far: the selected tokens single-token steps did not
+        hold, every token of dense multi-token steps (reading it waits for the device's counter)."""
+        records = 0 if self._fetched_records is None else int(self._fetched_records)
+        record_bytes = 0 if self.prompt is None else self.prompt.store.record_bytes
+        return self._dense_bytes + records * record_bytes
+
+    @property
+    def reuses(self) -> bool:
+        """Whether steps keep the previous step's tokens (every policy but one that shares the budget)."""
+        return not self.policy.shares_budget
+
     def set_prompt(self, prompt: QuantizedPrompt | None) -> None:
-        self.prompt = prompt
+        """Hold `prompt` (a loaded, shared or joined one) with no token held yet."""
+        self.prompt, self.held = prompt, None
+        if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
+            batch, heads, _ = prompt.selectable.shape
+            dim, like = prompt.local_keys.shape[-1], prompt.local_keys
+            self.held = HeldTokens.empty(batch, heads, prompt.max_budget_tokens, dim, like.dtype, like.device)
 
     def drop_decode_state(self) -> None:
-        """Nothing to free: YAKV keeps no state between steps."""
+        """Free what only decoding needs (the held tokens); the next sparse step makes them again."""
+        self.held = None
 
     def select_rows(self, index: torch.Tensor) -> None:
+        """Keep cache rows `index` (`[B']`, on the device), e.g. beam reordering."""
         self.prompt = self.prompt.select_rows(index)
+        if self.held is not None:
+            self.held = self.held.select_rows(index)
 
     def graph_key(self) -> tuple:
-        return (id(self.prompt),)
+        return id(self.prompt), id(self.held)
 
     def attend(
         self,
@@ -103,7 +132,6 @@ class YakvMode:
         prompt = self.prompt
         batch, _, q_len, dim = query.shape
         dtype = new_tokens[0].dtype
-        store = prompt.store
         if q_len > 1 and self.config.dense_multi_token_steps:
             sel_keys, sel_values, sel_valid = self._whole_prompt(batch, dim, dtype, query.device)
         else:
@@ -118,8 +146,7 @@ class YakvMode:
                 query_mask,
                 prompt.budget_tokens,
             )
-            sel_keys, sel_values = gather_dequant(store, ids, self.quantizer(dim), dtype)
-            self.fetched_bytes += prompt.budget_total * prompt.local_keys.shape[1] * store.record_bytes
+            sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
             self.sparse_steps += 1
         parts = [
             (sel_keys, sel_values, sel_valid[:, :, None, :]),
@@ -127,6 +154,26 @@ class YakvMode:
             new_tokens,
         ]
         return attend_parts(query, parts, scaling, terms)
+
+    def _fetch(
+        self, ids: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values `[B, Hkv, K', D]` of the selection `ids` (`[B, Hkv, K']`, where `valid`) and their validity:
+        the held tokens refreshed, or (no reuse) the valid ones fetched into zeroed buffers."""
+        store, quantizer = self.prompt.store, self.quantizer(self.prompt.local_keys.shape[-1])
+        if self._fetched_records is None:
+            self._fetched_records = torch.zeros((), dtype=torch.int64, device=ids.device)
+        if not self.reuses:
+            # Zeroed, not empty: invalid slots are masked, but their values still meet a zero probability.
+            keys = torch.zeros((*ids.shape, quantizer.head_dim), dtype=dtype, device=ids.device)
+            values = torch.zeros_like(keys)
+            gather_dequant_missed(store, ids, valid, quantizer, keys, values)
+            self._fetched_records += valid.sum()
+            return keys, values, valid
+        if self.held is None or not self.held.fits(ids, dtype):
+            self.held = HeldTokens.empty(*ids.shape, quantizer.head_dim, dtype, ids.device)
+        self._fetched_records += self.held.refresh(ids, valid, store, quantizer)
+        return self.held.keys, self.held.values, self.held.held
 
     def _whole_prompt(
         self, batch: int, dim: int, dtype: torch.dtype, device: torch.device
@@ -139,18 +186,21 @@ class YakvMode:
         rows = 1 if prompt.is_one_document else batch
         records = prompt.store.rows(rows).to(device, non_blocking=True)
         keys, values = dequant_records(records, self.quantizer(dim), dtype)
-        self.fetched_bytes += records.numel()
+        self._dense_bytes += records.numel()
         shape = (batch, *keys.shape[1:])
         return keys.expand(shape), values.expand(shape), prompt.selectable
 
-    def hit_counts(self) -> None:
-        """YAKV has no temporal cache: every selected token is fetched."""
-        return None
+    def hit_counts(self) -> tuple[int, int] | None:
+        """(selected tokens found held from the previous step, tokens selected) so far; None when none is held."""
+        if self.held is None:
+            return None
+        return int(self.held.hits), int(self.held.lookups)
 
     def sizes(self) -> tuple[None, int]:
         """(None: keys are quantised, not factorised; tokens selected per KV head and step, the largest over rows)."""
         return None, self.prompt.max_budget_tokens
 
     def nbytes(self) -> tuple[int, int]:
-        """(device bytes, host bytes) of the prompt."""
-        return self.prompt.device_nbytes, self.prompt.store.nbytes
+        """(device bytes, host bytes) of the prompt and the held tokens."""
+        held = self.held.nbytes if self.held is not None else 0
+        return self.prompt.device_nbytes + held, self.prompt.store.nbytes

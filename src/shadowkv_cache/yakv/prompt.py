@@ -36,7 +36,6 @@ class QuantizedPrompt:
     policy_state: dict[str, torch.Tensor]  # e.g. scoring codes [B, Hkv, N, D/p] and norms [B, Hkv, N]
     real: torch.Tensor  # [B, N] bool: quantised slots that hold a real token
     budget_tokens: torch.Tensor  # [B] int64 tokens to select per KV head
-    budget_host: torch.Tensor  # [B] int64 the same on the CPU, for byte counts without a synchronisation
     local_keys: torch.Tensor  # [B, Hkv, W, D] post-RoPE, right-aligned
     local_values: torch.Tensor  # [B, Hkv, W, D]
     local_valid: torch.Tensor  # [B, W] bool
@@ -54,11 +53,6 @@ class QuantizedPrompt:
     @property
     def is_one_document(self) -> bool:
         return self.real.shape[0] == 1 or self.real.stride(0) == 0
-
-    @property
-    def budget_total(self) -> int:
-        """Selected tokens per KV head summed over rows: what one sparse step fetches per head."""
-        return int(self.budget_host.sum())
 
     def shared(self, batch_size: int) -> QuantizedPrompt:
         """This one-document prompt for `batch_size` rows that share it (stride-0 views, one host copy)."""
@@ -83,12 +77,10 @@ class QuantizedPrompt:
         batch, heads, slots, _ = keys.shape
         lengths = real.sum(dim=-1).tolist()
         local_keys, local_values, local_valid = local_window(keys, values, lengths)
-        budget = torch.zeros(batch, dtype=torch.int64)
         return QuantizedPrompt(
             policy_state={k: v.new_zeros((batch, heads, 0, *v.shape[3:])) for k, v in self.policy_state.items()},
             real=torch.zeros((batch, 0), dtype=torch.bool, device=keys.device),
-            budget_tokens=budget.to(keys.device),
-            budget_host=budget,
+            budget_tokens=torch.zeros(batch, dtype=torch.int64, device=keys.device),
             local_keys=local_keys,
             local_values=local_values,
             local_valid=local_valid,
@@ -120,7 +112,6 @@ class QuantizedPrompt:
             )
         changes = join_rows(prompts, cls.ROW_FIELDS)
         changes["store"] = QuantizedKVStore.concat([p.store for p in prompts], pin)
-        changes["budget_host"] = torch.cat([p.budget_host for p in prompts])
         changes["max_budget_tokens"] = max(p.max_budget_tokens for p in prompts)
         kept = {f.name: getattr(first, f.name) for f in fields(first)}
         return cls(**{**kept, **changes})
@@ -128,7 +119,7 @@ class QuantizedPrompt:
     def _with_rows(self, take, index: torch.Tensor) -> QuantizedPrompt:
         """A copy whose device tensors are `take(tensor)` and whose host parts are rows `index` (`[B']`)."""
         index = index.to("cpu")
-        return with_rows(self, take, "store", index, budget_host=self.budget_host[index])
+        return with_rows(self, take, "store", index)
 
     @property
     def device_nbytes(self) -> int:
@@ -195,7 +186,6 @@ def quantize_prompt(
         policy_state=state,
         real=quantised,
         budget_tokens=torch.tensor([s.budget_chunks for s in sizes], dtype=torch.int64, device=device),
-        budget_host=torch.tensor([s.budget_chunks for s in sizes], dtype=torch.int64),
         local_keys=local_keys,
         local_values=local_values,
         local_valid=local_valid,

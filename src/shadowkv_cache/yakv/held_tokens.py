@@ -1,0 +1,80 @@
+"""YAKV's token reuse: tokens selected at the previous step stay on the device, dequantised (design.md §4).
+
+Legend: B batch, Hkv KV heads, K slots (tokens selected per KV head and step), D head dim.
+
+Consecutive decode steps select largely the same tokens, as ShadowKV's steps select the same chunks (its temporal
+cache, `shadowkv/temporal_cache.py`). Without reuse every selected token's record crosses PCIe at every step; with
+it only the tokens new to the selection do. The same scan decides hits and slots (`ops/temporal_scan.py`: held
+tokens never move, a new token takes a freed slot), then the missed slots are fetched and dequantised in place
+(`ops/gather_dequant.gather_dequant_missed`). Attention reads the slots in whatever order they hold their tokens,
+which changes only the order of the softmax sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.gather_dequant import gather_dequant_missed
+from ..ops.temporal_scan import temporal_scan
+from ..quant import HiggsQuantizer
+from ..stores.quantized_store import QuantizedKVStore
+
+__all__ = ["HeldTokens"]
+
+
+class HeldTokens:
+    """Selected tokens of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, D]`.
+
+    The counters `hits` (selected tokens found held) and `lookups` (tokens selected) live on the device, so a step
+    never waits for the host to count.
+    """
+
+    def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
+        device = ids.device
+        self.hits = torch.zeros((), dtype=torch.int64, device=device)
+        self.lookups = torch.zeros((), dtype=torch.int64, device=device)
+
+    @classmethod
+    def empty(
+        cls, batch: int, heads: int, slots: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> HeldTokens:
+        ids = torch.full((batch, heads, slots), -1, dtype=torch.int64, device=device)
+        keys = torch.zeros((batch, heads, slots, dim), dtype=dtype, device=device)
+        return cls(ids, keys, keys.clone())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values))
+
+    @property
+    def held(self) -> torch.Tensor:
+        """`[B, Hkv, K]` bool: slots that hold a token (the attention mask of the selected part)."""
+        return self.ids >= 0
+
+    def fits(self, wanted: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether this step's selection (`[B, Hkv, K']`) and KV dtype match the slots."""
+        return self.ids.shape == wanted.shape and self.keys.dtype == dtype
+
+    def refresh(
+        self,
+        wanted: torch.Tensor,
+        valid: torch.Tensor,
+        store: QuantizedKVStore,
+        quantizer: HiggsQuantizer,
+    ) -> torch.Tensor:
+        """Hold the tokens `wanted` (`[B, Hkv, K]` int64, distinct where `valid` `[B, Hkv, K]` bool): keep the ones
+        already held, fetch and dequantise the rest into freed slots. Returns the records fetched (a device
+        scalar)."""
+        self.ids, missed = temporal_scan(self.ids, wanted, valid)
+        gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
+        selected, fetched = valid.sum(), missed.sum()
+        self.hits += (selected - fetched).clamp(min=0)
+        self.lookups += selected
+        return fetched
+
+    def select_rows(self, index: torch.Tensor) -> HeldTokens:
+        """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""
+        out = HeldTokens(self.ids[index], self.keys[index], self.values[index])
+        out.hits, out.lookups = self.hits, self.lookups
+        return out
