@@ -15,6 +15,8 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
    sweep with a synthetic fill (random 2-bit scoring codes on the GPU, random 4-bit key and value records in
    pinned host memory) up to the host budget. As for ShadowKV, the selection keeps a share of the previous step's
    tokens by construction (`--yakv-h`), which sets the records a step fetches.
+4. at batch `--generate-batch` (8; 0 skips it): DynamicCache and ShadowKV through an unchanged `model.generate`
+   next to raw forwards on a like cache (fill "synthetic, generate"; the note gives the ratio).
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
@@ -42,6 +44,7 @@ from benchmarks.throughput_report import Recorder, add_summary, replot
 from benchmarks.throughput_sweeps import (
     Run,
     full_attention_sweeps,
+    generate_runs,
     host_blocks,
     prefill_runs,
     shadowkv_sweeps,
@@ -71,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
     p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")
     p.add_argument("--methods", default="dynamic,static,shadowkv", help="which sweeps to run (also: yakv)")
+    p.add_argument("--generate-batch", type=int, default=8, help="batch of the generate-vs-forward runs (0: none)")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
@@ -135,6 +139,7 @@ def main() -> None:
     blocks = host_blocks(run)
     shadowkv_sweeps(run, blocks)
     yakv_sweeps(run, blocks)
+    generate_runs(run, blocks)
     add_summary(rec, contexts, args.value_formats.split(","), args.h_sweep)
     rec.write(plot=True)
     log("done:", results_dir() / f"{name}.md")

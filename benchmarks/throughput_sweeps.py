@@ -262,3 +262,55 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                              hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
             del cache
             free(device)
+
+
+def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
+    """5. Per context, at batch `--generate-batch`: seconds per step through an unchanged `model.generate` next to raw
+    forwards on a like cache, for DynamicCache (if it fits) and ShadowKV at `--h-sweep` (the first value format).
+    A generate step adds what a user pays on top of the forward: logits processing, stopping criteria, the
+    attention mask and cache-position bookkeeping, and the host synchronisation of the stopping check. Each timing
+    takes a fresh cache; a generate step is (time of warm + steps tokens - time of warm tokens) / steps."""
+    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    batch = args.generate_batch
+    fmt_config = dataclasses.replace(run.config, value_format=args.value_formats.split(",")[0])
+    kv = kv_bytes_per_token(cfg)
+    for length in run.contexts if args.generate_batch else []:
+        for method in ("dynamic", "shadowkv"):
+            if method == "dynamic" and run.weights + batch * (length + args.warm + args.steps + 1) * kv > run.total_gpu:
+                log(f"generate {length} dynamic batch {batch}: does not fit")
+                continue
+
+            def fresh_cache(method=method, length=length):
+                free(device)
+                if method == "dynamic":
+                    return fill_dynamic(model, batch, length)
+                return synthetic_cache(model, batch, length, fmt_config, hit_rate=args.h_sweep, host_blocks=blocks)
+
+            try:
+                forward = decode(model, fresh_cache(), batch, args.warm, args.steps, device)
+                warm = _generate_seconds(model, fresh_cache(), batch, length, args.warm, device)
+                total = _generate_seconds(model, fresh_cache(), batch, length, args.warm + args.steps, device)
+            except torch.OutOfMemoryError:
+                log(f"generate {length} {method} batch {batch}: out of GPU memory")
+                free(device)
+                continue
+            step = (total - warm) / args.steps
+            value_format = fmt_config.value_format if method == "shadowkv" else None
+            run.rec.add(dict(context=length, method=method, value_format=value_format, fill="synthetic, generate",
+                             batch=batch, h_target=args.h_sweep if method == "shadowkv" else None, tok_s=batch / step,
+                             step_ms=step * 1e3, note=f"raw forwards {forward * 1e3:.2f} ms/step "
+                             f"({batch / forward:.1f} tok/s): generate/forward = {step / forward:.3f}"))  # fmt: skip
+            free(device)
+
+
+def _generate_seconds(model, cache, batch: int, length: int, new_tokens: int, device: torch.device) -> float:
+    """Wall time of `model.generate` producing `new_tokens` greedy tokens after a cache that holds `length` tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        sync(device)
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        sync(device)
+    return time.perf_counter() - start
