@@ -292,6 +292,7 @@ def test_decode_step_does_not_synchronise_with_the_host(mode, value_format):
         assert out.shape == (1, 1, heads, dim) and torch.isfinite(out).all()
     if mode == "yakv":
         assert layer.mode.sparse_steps == 3 and layer.prompt.store.data.is_pinned()
+        assert layer.hit_counts()[1] == 3 * 24 * kv_heads  # the held tokens were scanned and refreshed
     else:
         assert int(layer.mode.temporal.lookups) > 0
 

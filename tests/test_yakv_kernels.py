@@ -326,12 +326,20 @@ def test_code_scores_kernel_reads_a_shared_document_in_place():
     assert torch.equal(shared, private)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, monkeypatch):
-    """A real selection (24 of ~236 tokens per KV head) through `generate`, kernels against twins."""
-    ids = random_prompt(301).to(CUDA)
+@pytest.mark.parametrize(
+    "arch, prompt, budget",
+    [
+        ("llama", 301, 24),
+        ("qwen3", 301, 24),
+        ("llama", 1500, 1100),  # more slots than the scan kernel compares pairwise: the sorted scan on the GPU
+    ],
+)
+def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, prompt, budget, monkeypatch):
+    """A real selection through `generate`, with the held tokens refreshed from step to step, kernels against
+    twins."""
+    ids = random_prompt(prompt).to(CUDA)
     model = make_tiny_model(arch).to(CUDA)
-    config = {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}
+    config = {"mode": "yakv", "sparse_budget": budget, "min_compress_len": 64}
     with_kernels = generate_with(model, ids, ShadowKVCache(model, **config))
     monkeypatch.setenv("SHADOWKV_KERNELS", "0")
     twins = generate_with(model, ids, ShadowKVCache(model, **config))

@@ -50,7 +50,8 @@ def temporal_scan_reference(
 def temporal_scan_sorted(
     ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`temporal_scan_reference`'s result, with membership found by binary search in sorted copies (O(K log K))."""
+    """`temporal_scan_reference`'s result, with membership found by binary search in sorted copies (O(K log K)).
+    Like the kernel, it writes the new ids into `ids` (so a captured step keeps reading and writing one tensor)."""
     num_slots = ids.shape[-1]
     want = wanted.masked_fill(~valid, -1)
     held = ids >= 0
@@ -69,16 +70,16 @@ def temporal_scan_sorted(
     incoming.scatter_(-1, torch.where(new, new_rank, num_slots), want)
     takes = free & (free_rank < new.sum(dim=-1, keepdim=True))
     arriving = incoming.gather(-1, free_rank.clamp(min=0))
-    new_ids = torch.where(takes, arriving, torch.where(keep, ids, torch.full_like(ids, -1)))
-    return new_ids, takes
+    ids.copy_(torch.where(takes, arriving, torch.where(keep, ids, torch.full_like(ids, -1))))
+    return ids, takes
 
 
 def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Update the held chunk ids for this step's selection; returns `(ids, miss)`.
 
     Args:
-        ids (`torch.Tensor`): `[B, Hkv, K]` int64, chunk held by each slot (-1 = empty). The kernel updates it
-            in place and returns it; the twin returns a new tensor.
+        ids (`torch.Tensor`): `[B, Hkv, K]` int64, chunk held by each slot (-1 = empty). The kernel and the sorted
+            scan update it in place and return it; the twin returns a new tensor.
         wanted (`torch.Tensor`): `[B, Hkv, K]` int64, chunks selected this step (distinct where valid).
         valid (`torch.Tensor`): `[B, Hkv, K]` bool, which entries of `wanted` count.
     """
