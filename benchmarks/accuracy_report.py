@@ -76,6 +76,9 @@ compare them with the chunk methods' at equal budget with care.
   of the whole K and V, which an offloaded full cache would move at every step. For `yakv`: the quantised key
   and value records read (`2*(D/2) + 4` bytes per token and KV head, whatever the model dtype), the selected
   tokens the previous step did not hold, the whole prompt on multi-token steps.
+- h2d_bf16_kib: the nominal bytes of one step without reuse (every selected chunk's values in bf16; for `yakv`
+  every selected token's record), the x axis of the bytes plot; h2d_bf16_measured_kib: h2d_kib_per_step with
+  values counted in bf16; hit_rate: selected chunks (`yakv`: tokens) found on the device from the previous step.
 - Multi-token steps after the prompt (a later chat turn) read every chunk for the offloading methods (the
   package default `dense_multi_token_steps=True`; counted in h2d as the whole prompt's values), while the
   evicting methods (StreamingLLM, SnapKV) keep their prefill-time selection at every step: after the first step

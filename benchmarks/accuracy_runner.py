@@ -83,7 +83,8 @@ class Runner:
 
         Single-token steps move the temporal cache's missed chunks; a multi-token step (a later chat turn) with
         `dense_multi_token_steps` moves every chunk of the prompt. YAKV counts the quantised key and value
-        records it read (the selected tokens at every step, the whole prompt on multi-token steps).
+        records it read (the selected tokens it did not hold from the previous step, the whole prompt on
+        multi-token steps); its nominal bytes are those of every selected token, what a step without reuse reads.
         """
         figures = selection_figures(cache)
         recall, oracle, units = probe.totals()
@@ -99,8 +100,8 @@ class Runner:
                 "units": units,
                 "value_bytes": figures.fetched_bytes,
                 "steps_rows": steps_rows,
-                "hits": 0,
-                "lookups": 0,
+                "hits": figures.hits,
+                "lookups": figures.lookups,
             }
         chunk_bytes = cfg.chunk * self.head_dim * self.elem
         value_bytes = (figures.lookups - figures.hits) * chunk_bytes
