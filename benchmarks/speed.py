@@ -156,5 +156,5 @@ def decode(model, cache, batch: int, warm: int, steps: int, device: torch.device
 
 
 def hit_rate(cache) -> float | None:
-    """The temporal cache's hit rate of a `ShadowKVCache` (None for other caches and YAKV mode)."""
+    """The hit rate of a `ShadowKVCache` (ShadowKV's temporal cache, YAKV's held tokens); None for other caches."""
     return cache.memory_report().hit_rate if isinstance(cache, ShadowKVCache) else None

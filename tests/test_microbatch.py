@@ -161,23 +161,30 @@ def test_rows_all_too_short_stay_exact_and_equal_dynamic_cache():
     assert_logits_close(out.logits, ref.logits)
 
 
-def test_only_compressed_rows_stay_between_micro_batches(monkeypatch):
+@pytest.mark.parametrize("mode", ["shadowkv", "yakv"])
+def test_only_compressed_rows_stay_between_micro_batches(monkeypatch, mode):
     """When a micro batch starts, the earlier ones hold their compressed prompts only: no exact prompt token
-    (no full K/V) and no temporal cache."""
+    (no full K/V) and no decode state (ShadowKV's temporal cache, YAKV's held tokens)."""
     model = tiny_model("llama")
     parts, seen = [], []
     real_run = microbatch_module.run_prompt
+    decode_state = "temporal" if mode == "shadowkv" else "held"
 
     def checking_run(model, ids, part, **kwargs):
         seen.append(
-            [(layer.is_compressed, layer.keys.shape[2], layer.mode.temporal) for p in parts for layer in p.layers]
+            [
+                (layer.is_compressed, layer.keys.shape[2], getattr(layer.mode, decode_state))
+                for p in parts
+                for layer in p.layers
+            ]
         )
         real_run(model, ids, part, **kwargs)
         parts.append(part)
 
     monkeypatch.setattr(microbatch_module, "run_prompt", checking_run)
     ids, mask = batch((300, 260, 280), seed=3)
-    ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **small_budget_overrides())
+    overrides = small_budget_overrides() if mode == "shadowkv" else {"mode": "yakv", "min_compress_len": 64}
+    ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **overrides)
     assert seen == [[], [(True, 0, None)] * 2, [(True, 0, None)] * 4]
 
 

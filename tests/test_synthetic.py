@@ -28,6 +28,7 @@ from helpers import (
 )
 
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.policies import SharedBudgetTopK
 from shadowkv_cache.testing import (
     ControlledHitRate,
     continue_with_policy,
@@ -217,6 +218,8 @@ def test_bad_requests_raise():
         synthetic_cache(model(), B, 32, **SETTINGS)
     with pytest.raises(ValueError, match="hit_rate must be"):
         ControlledHitRate(1.5)
+    with pytest.raises(ValueError, match="shares the budget"):
+        ControlledHitRate(0.5, SharedBudgetTopK())
     with pytest.raises(ValueError, match="one block per layer"):
         synthetic_cache(model(), B, S, host_blocks=[torch.zeros(8, dtype=torch.uint8)], **SETTINGS)
 

@@ -70,11 +70,16 @@ def gather_dequant_missed_reference(
     keys: torch.Tensor,
     values: torch.Tensor,
 ) -> None:
-    """The PyTorch twin of `gather_dequant_missed` (synchronises on CUDA)."""
-    fresh_keys, fresh_values = gather_dequant_reference(store, ids.clamp(min=0), quantizer, keys.dtype)
-    flag = missed[..., None]
-    keys.copy_(torch.where(flag, fresh_keys, keys))
-    values.copy_(torch.where(flag, fresh_values, values))
+    """The PyTorch twin of `gather_dequant_missed` (synchronises on CUDA). Like the kernel it reads the missed
+    slots' records alone, so the bytes a YAKV step counts are the bytes it moved on this path too."""
+    rows, heads, slots = (i.to("cpu") for i in missed.nonzero(as_tuple=True))
+    if not len(rows):
+        return
+    records = store.data[store.row_map[rows], heads, ids.to("cpu")[rows, heads, slots]]  # [M, E]
+    records = records.pin_memory().to(keys.device, non_blocking=True) if keys.is_cuda else records.to(keys.device)
+    fresh_keys, fresh_values = dequant_records(records, quantizer, keys.dtype)
+    keys[rows, heads, slots] = fresh_keys
+    values[rows, heads, slots] = fresh_values
 
 
 def gather_dequant(

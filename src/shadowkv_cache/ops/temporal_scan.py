@@ -20,10 +20,10 @@ import torch
 
 from .loader import kernels_available, load_kernels
 
-__all__ = ["MAX_KERNEL_SLOTS", "temporal_scan", "temporal_scan_reference", "temporal_scan_sorted"]
+__all__ = ["QUADRATIC_SLOTS", "temporal_scan", "temporal_scan_reference", "temporal_scan_sorted"]
 
-MAX_KERNEL_SLOTS = 2048  # the kernel keeps 22 bytes of shared memory per slot
 # Above this many slots the kernel's K^2 comparisons per head (and the reference's K^2 memory) cost more than sorting.
+# The kernel itself takes up to 2048 (22 bytes of shared memory per slot).
 QUADRATIC_SLOTS = 1024
 
 
@@ -86,7 +86,7 @@ def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) 
     num_slots = ids.shape[-1]
     if num_slots > QUADRATIC_SLOTS:
         return temporal_scan_sorted(ids, wanted, valid)
-    if not (kernels_available(ids.device) and 0 < num_slots <= MAX_KERNEL_SLOTS and ids.is_contiguous()):
+    if not (kernels_available(ids.device) and num_slots > 0 and ids.is_contiguous()):
         return temporal_scan_reference(ids, wanted, valid)
     kernels = load_kernels("temporal_scan", ids.device)
     miss = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)

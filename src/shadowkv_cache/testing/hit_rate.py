@@ -33,12 +33,18 @@ class ControlledHitRate(SelectionPolicy):
     Args:
         hit_rate (`float`): h in [0, 1].
         inner (`SelectionPolicy`, *optional*): the policy whose work each step does (`LandmarkTopK` for ShadowKV
-            mode, the default; `QuantizedKeyTopK` for YAKV mode).
+            mode, the default; `QuantizedKeyTopK` for YAKV mode). Not one that shares the budget across heads: its
+            heads select different counts, which a window of `K` per head cannot stand for.
     """
 
     def __init__(self, hit_rate: float, inner: SelectionPolicy | None = None):
         if not 0.0 <= hit_rate <= 1.0:
             raise ValueError(f"hit_rate must be in [0, 1]; got {hit_rate!r}.")
+        if inner is not None and inner.shares_budget:
+            raise ValueError(
+                f"ControlledHitRate selects K units per head; {type(inner).__name__} shares the budget across heads. "
+                "Wrap its inner policy instead (e.g. QuantizedKeyTopK)."
+            )
         self.hit_rate = hit_rate
         self.inner = inner if inner is not None else LandmarkTopK()
         self.granularity = self.inner.granularity
@@ -80,7 +86,7 @@ def reset_hit_counts(cache: ShadowKVCache) -> None:
     for layer in cache.layers:
         mode = getattr(layer, "mode", None)
         # ShadowKV's temporal cache or YAKV's held tokens; a layer that was only prefilled and joined has neither.
-        held = getattr(mode, "temporal", None) or getattr(mode, "held", None)
+        held = getattr(mode, "held", None) if getattr(mode, "name", None) == "yakv" else getattr(mode, "temporal", None)
         if held is not None:
             held.hits.zero_()
             held.lookups.zero_()

@@ -26,22 +26,39 @@ class HeldTokens:
     """Selected tokens of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, D]`.
 
     The counters `hits` (selected tokens found held) and `lookups` (tokens selected) live on the device, so a step
-    never waits for the host to count.
+    never waits for the host to count; pass `counts` (`(hits, lookups)`, int64 scalars on the device) to go on
+    counting in the tensors of slots made earlier.
     """
 
-    def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
-        device = ids.device
-        self.hits = torch.zeros((), dtype=torch.int64, device=device)
-        self.lookups = torch.zeros((), dtype=torch.int64, device=device)
+        if counts is None:
+            counts = tuple(torch.zeros((), dtype=torch.int64, device=ids.device) for _ in range(2))
+        self.hits, self.lookups = counts
 
     @classmethod
     def empty(
-        cls, batch: int, heads: int, slots: int, dim: int, dtype: torch.dtype, device: torch.device
+        cls,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> HeldTokens:
-        ids = torch.full((batch, heads, slots), -1, dtype=torch.int64, device=device)
-        keys = torch.zeros((batch, heads, slots, dim), dtype=dtype, device=device)
-        return cls(ids, keys, keys.clone())
+        """Empty slots of `shape` `(B, Hkv, K, D)`."""
+        ids = torch.full(shape[:3], -1, dtype=torch.int64, device=device)
+        keys = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(ids, keys, keys.clone(), counts)
+
+    @property
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(hits, lookups)`, the counters' tensors."""
+        return self.hits, self.lookups
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +92,4 @@ class HeldTokens:
 
     def select_rows(self, index: torch.Tensor) -> HeldTokens:
         """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""
-        out = HeldTokens(self.ids[index], self.keys[index], self.values[index])
-        out.hits, out.lookups = self.hits, self.lookups
-        return out
+        return HeldTokens(self.ids[index], self.keys[index], self.values[index], self.counts)

@@ -54,6 +54,9 @@ class YakvMode:
         self._quantizer = quantizer
         self._dense_bytes = 0  # read by dense multi-token steps (known on the host)
         self._fetched_records: torch.Tensor | None = None  # by single-token steps (counted on the device)
+        # The held tokens' hit counters, kept when the slots are dropped and made again (a new prefix, a rolled-back
+        # call), so that they count every step of this layer, as the byte counter does.
+        self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def empty_like(self) -> YakvMode:
         """A mode of the same settings that holds nothing; it shares the quantiser, whose tables are already on the
@@ -103,8 +106,8 @@ class YakvMode:
         self.prompt, self.held = prompt, None
         if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
             batch, heads, _ = prompt.selectable.shape
-            dim, like = prompt.local_keys.shape[-1], prompt.local_keys
-            self.held = HeldTokens.empty(batch, heads, prompt.max_budget_tokens, dim, like.dtype, like.device)
+            like = prompt.local_keys
+            self.held = self._empty_held((batch, heads, prompt.max_budget_tokens, like.shape[-1]), like)
 
     def drop_decode_state(self) -> None:
         """Free what only decoding needs (the held tokens); the next sparse step makes them again."""
@@ -118,6 +121,12 @@ class YakvMode:
 
     def graph_key(self) -> tuple:
         return id(self.prompt), id(self.held)
+
+    def _empty_held(self, shape: tuple[int, int, int, int], like: torch.Tensor) -> HeldTokens:
+        """Empty slots of `shape` (dtype and device of `like`) that count in this layer's counters."""
+        if self._counts is None or self._counts[0].device != like.device:
+            self._counts = tuple(torch.zeros((), dtype=torch.int64, device=like.device) for _ in range(2))
+        return HeldTokens.empty(shape, like.dtype, like.device, self._counts)
 
     def attend(
         self,
@@ -171,7 +180,7 @@ class YakvMode:
             self._fetched_records += valid.sum()
             return keys, values, valid
         if self.held is None or not self.held.fits(ids, dtype):
-            self.held = HeldTokens.empty(*ids.shape, quantizer.head_dim, dtype, ids.device)
+            self.held = self._empty_held((*ids.shape, quantizer.head_dim), ids.new_empty((), dtype=dtype))
         self._fetched_records += self.held.refresh(ids, valid, store, quantizer)
         return self.held.keys, self.held.values, self.held.held
 
@@ -191,10 +200,11 @@ class YakvMode:
         return keys.expand(shape), values.expand(shape), prompt.selectable
 
     def hit_counts(self) -> tuple[int, int] | None:
-        """(selected tokens found held from the previous step, tokens selected) so far; None when none is held."""
-        if self.held is None:
+        """(selected tokens found held from the previous step, tokens selected) so far; None when this layer never
+        held tokens (a policy that shares the budget)."""
+        if self._counts is None:
             return None
-        return int(self.held.hits), int(self.held.lookups)
+        return int(self._counts[0]), int(self._counts[1])
 
     def sizes(self) -> tuple[None, int]:
         """(None: keys are quantised, not factorised; tokens selected per KV head and step, the largest over rows)."""
