@@ -9,7 +9,7 @@ order); free slots left over become empty (-1). Fixed-size outputs, so nothing h
 Three implementations of one meaning: `temporal_scan_reference` (the definition: every slot against every wanted
 entry, O(K^2) memory), `kernels/temporal_scan.cu` (the same comparisons in shared memory, one block per head: fast
 for ShadowKV's few hundred chunks) and `temporal_scan_sorted` (membership by sorting and binary search, O(K log K):
-YAKV's thousands of tokens per head, on any device, without a host synchronisation).
+YAKV's thousands of tokens per head, and wherever the kernel does not run; no host synchronisation).
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) 
         valid (`torch.Tensor`): `[B, Hkv, K]` bool, which entries of `wanted` count.
     """
     num_slots = ids.shape[-1]
-    if num_slots > QUADRATIC_SLOTS:
-        return temporal_scan_sorted(ids, wanted, valid)
-    if not (kernels_available(ids.device) and num_slots > 0 and ids.is_contiguous()):
+    if num_slots == 0:
         return temporal_scan_reference(ids, wanted, valid)
+    if num_slots > QUADRATIC_SLOTS or not (kernels_available(ids.device) and ids.is_contiguous()):
+        return temporal_scan_sorted(ids, wanted, valid)  # the twin's result without its K^2 comparisons
     kernels = load_kernels("temporal_scan", ids.device)
     miss = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
     rows = ids.numel() // num_slots
