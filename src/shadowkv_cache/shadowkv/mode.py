@@ -158,6 +158,12 @@ class ShadowKVMode:
             return None
         return int(self.temporal.hits), int(self.temporal.lookups)
 
+    def reset_hit_counts(self) -> None:
+        """Zero the counters behind `hit_counts`, in place (captured CUDA graphs go on counting in them)."""
+        if self.temporal is not None:
+            self.temporal.hits.zero_()
+            self.temporal.lookups.zero_()
+
     def sizes(self) -> tuple[int, int]:
         """(rank of the key factors, tokens selected per KV head and step), the largest over rows."""
         return self.prompt.a.shape[-1], self.prompt.max_budget_chunks * self.prompt.chunk_size

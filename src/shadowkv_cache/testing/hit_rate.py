@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..hf.cache import ShadowKVCache
+from ..hf.layer import CompressedLayer
 from ..policies import LandmarkTopK
 from ..policies.base import SelectionPolicy
 
@@ -81,12 +82,9 @@ class ControlledHitRate(SelectionPolicy):
 
 
 def reset_hit_counts(cache: ShadowKVCache) -> None:
-    """Zero the temporal caches' hit and lookup counters (in place, so captured CUDA graphs keep counting), e.g.
-    after warm-up steps, so that `cache.memory_report().hit_rate` covers only the steps after this call."""
+    """Zero the hit and lookup counters of every compressed layer (ShadowKV's temporal caches, YAKV's held tokens; in
+    place, so captured CUDA graphs keep counting), e.g. after warm-up steps, so that `cache.memory_report().hit_rate`
+    covers only the steps after this call."""
     for layer in cache.layers:
-        mode = getattr(layer, "mode", None)
-        # ShadowKV's temporal cache or YAKV's held tokens; a layer that was only prefilled and joined has neither.
-        held = getattr(mode, "held", None) if getattr(mode, "name", None) == "yakv" else getattr(mode, "temporal", None)
-        if held is not None:
-            held.hits.zero_()
-            held.lookups.zero_()
+        if isinstance(layer, CompressedLayer) and layer.is_compressed:
+            layer.mode.reset_hit_counts()

@@ -206,6 +206,11 @@ class YakvMode:
             return None
         return int(self._counts[0]), int(self._counts[1])
 
+    def reset_hit_counts(self) -> None:
+        """Zero the counters behind `hit_counts`, in place."""
+        for count in self._counts or ():
+            count.zero_()
+
     def sizes(self) -> tuple[None, int]:
         """(None: keys are quantised, not factorised; tokens selected per KV head and step, the largest over rows)."""
         return None, self.prompt.max_budget_tokens
