@@ -11,6 +11,7 @@ this document for this model and these settings.
     python examples/chat.py --document DOCUMENT               # answers about a text file
     python examples/chat.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --dtype bfloat16
     python examples/chat.py --document DOCUMENT --turns TURNS   # one user turn per line, no prompt
+    python examples/chat.py --document DOCUMENT --mode yakv     # questions that need many scattered facts
     echo "What is the vault code?" | python examples/chat.py --document DOCUMENT
 
 Commands: /reset (forget the conversation, keep the document), /memory (the cache's memory report), /save (write
@@ -109,6 +110,7 @@ class ChatSession:
         self.options = {
             k: v
             for k, v in {
+                "mode": args.mode,
                 "min_compress_len": args.min_compress_len,
                 "rank": args.rank,
                 "sparse_budget": args.sparse_budget,
@@ -259,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument(
         "--min-compress-len", type=int, help="prompts shorter than this stay exact (ShadowKV's default: 4096)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["shadowkv", "yakv"],
+        help="yakv: 4-bit keys and values, tokens selected one by one, for context-intensive questions (docs/yakv.md)",
     )
     parser.add_argument("--rank", type=int, help="rank of the key factors (default: chosen per layer)")
     parser.add_argument("--sparse-budget", type=int, help="tokens selected per KV head and step")
