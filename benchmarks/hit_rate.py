@@ -38,6 +38,13 @@ def counters(cache: ShadowKVCache) -> tuple[int, int]:
     return sum(h for h, _ in counts), sum(n for _, n in counts)
 
 
+def budget_option(budget: str) -> tuple[dict, str]:
+    """A `--budgets` value (`default`, tokens, or a share of the prompt) as cache overrides and a series label."""
+    if budget == "default":
+        return {}, "default budget"
+    return {"sparse_budget": float(budget) if "." in budget else int(budget)}, f"budget {budget}"
+
+
 @torch.no_grad()
 def measure(model, ids: torch.Tensor, steps: int, **overrides) -> dict:
     """Prefill `ids` (`[1, S]`) into a default `ShadowKVCache`, decode `steps` greedy tokens; the hit rates."""
@@ -98,11 +105,9 @@ def main() -> None:
     unit = "chunks" if args.mode == "shadowkv" else "tokens"
     for length in args.lengths:
         for budget in args.budgets:
-            overrides = {"min_compress_len": min(1024, length // 2), "mode": args.mode}
-            if budget != "default":
-                overrides["sparse_budget"] = float(budget) if "." in budget else int(budget)
+            changes, label = budget_option(budget)
+            overrides = {"min_compress_len": min(1024, length // 2), "mode": args.mode, **changes}
             row = measure(model, text[:, :length], args.steps, **overrides)
-            label = "default budget" if budget == "default" else f"budget {budget}"
             rows.append({"series": f"{args.model}, {label}", **row})
             print({k: row[k] for k in ("prompt_tokens", "hit_rate", "steady_hit_rate", "budget", "rank")}, flush=True)
         notes = (

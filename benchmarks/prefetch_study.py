@@ -37,6 +37,7 @@ import torch
 
 from benchmarks.accuracy_core import cache_kwarg
 from benchmarks.accuracy_runner import MODELS, load_model
+from benchmarks.hit_rate import budget_option
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids
@@ -160,10 +161,8 @@ def main() -> None:
     columns += ["wasted", "matches_cache"]
     for length in args.lengths:
         for budget in args.budgets:
-            overrides = {"min_compress_len": min(1024, length // 2)}
-            if budget != "default":
-                overrides["sparse_budget"] = float(budget) if "." in budget else int(budget)
-            label = "default budget" if budget == "default" else f"budget {budget}"
+            changes, label = budget_option(budget)
+            overrides = {"min_compress_len": min(1024, length // 2), **changes}
             row = {"series": f"{args.model}, {label}", **measure(model, text[:, :length], args.steps, **overrides)}
             rows.append(row)
             print({k: row[k] for k in columns}, flush=True)
