@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HEAD_DIM, NUM_KV_HEADS, forward_with, random_prompt, tiny_model
+from helpers import HEAD_DIM, NUM_KV_HEADS, forward_with, generate_with, left_pad, random_prompt, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.ops.gather_dequant import gather_dequant, gather_dequant_missed
@@ -121,3 +122,34 @@ def test_reuse_changes_the_bytes_not_the_outputs(policy):
         hits, lookups = with_reuse.mode.hit_counts()
         assert lookups == 10 * 24 * NUM_KV_HEADS and hits > 0
         assert with_reuse.mode.fetched_bytes == (lookups - hits) * record < everything
+
+
+class ForgetHeldTokens(StoppingCriteria):
+    """Never stops; after every step drops each layer's held tokens, so the next step fetches its whole selection."""
+
+    def __init__(self, cache: ShadowKVCache):
+        self.cache = cache
+
+    def __call__(self, input_ids, scores, **kwargs):
+        for layer in self.cache.layers:
+            layer.drop_decode_state()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_beam_search_reorders_the_held_tokens_with_their_rows():
+    """Beam search reorders the cache's rows at every step; the held tokens must follow their rows (two documents, so
+    a row holding another row's tokens would attend to the wrong keys and values). The search with reuse equals the
+    one that fetches every selection afresh (same beams, scores within float32 round-off)."""
+    model = tiny_model("llama")
+    ids, mask = left_pad([random_prompt(300, seed=62)[0], random_prompt(280, seed=63)[0]])
+    overrides = {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}
+    reused_cache, fresh_cache = ShadowKVCache(model, **overrides), ShadowKVCache(model, **overrides)
+    options = dict(attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=8, output_scores=True)
+    reused = generate_with(model, ids, reused_cache, **options)
+    forget = StoppingCriteriaList([ForgetHeldTokens(fresh_cache)])
+    fresh = generate_with(model, ids, fresh_cache, stopping_criteria=forget, **options)
+    assert torch.equal(reused.sequences, fresh.sequences)
+    torch.testing.assert_close(reused.sequences_scores, fresh.sequences_scores, rtol=1e-5, atol=1e-5)
+    assert reused_cache.layers[0].mode.held.ids.shape[0] == 6  # one row of slots per beam
+    hits, lookups = reused_cache.layers[0].hit_counts()
+    assert 0 < hits < lookups
