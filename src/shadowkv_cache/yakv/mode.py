@@ -40,7 +40,6 @@ class YakvMode:
     Attributes:
         held (`HeldTokens` or `None`): the selected tokens, dequantised on the device, made with the prompt (never
             with a policy that shares the budget across heads).
-        sparse_steps (`int`): decode steps that selected tokens.
     """
 
     name = "yakv"
@@ -50,10 +49,10 @@ class YakvMode:
         self.config, self.policy = config, policy
         self.prompt: QuantizedPrompt | None = None
         self.held: HeldTokens | None = None
-        self.sparse_steps = 0
         self._quantizer = quantizer
         self._dense_bytes = 0  # read by dense multi-token steps (known on the host)
         self._fetched_records: torch.Tensor | None = None  # by single-token steps (counted on the device)
+        self._sparse_steps: torch.Tensor | None = None  # steps that selected tokens (on the device, as the above)
         # The held tokens' hit counters, kept when the slots are dropped and made again (a new prefix, a rolled-back
         # call), so that they count every step of this layer, as the byte counter does.
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -95,6 +94,11 @@ class YakvMode:
         records = 0 if self._fetched_records is None else int(self._fetched_records)
         record_bytes = 0 if self.prompt is None else self.prompt.store.record_bytes
         return self._dense_bytes + records * record_bytes
+
+    @property
+    def sparse_steps(self) -> int:
+        """Decode steps that selected tokens (reading it waits for the device's counter)."""
+        return 0 if self._sparse_steps is None else int(self._sparse_steps)
 
     @property
     def reuses(self) -> bool:
@@ -156,7 +160,7 @@ class YakvMode:
                 prompt.budget_tokens,
             )
             sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
-            self.sparse_steps += 1
+            self._sparse_steps += 1
         parts = [
             (sel_keys, sel_values, sel_valid[:, :, None, :]),
             (prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]),
@@ -172,6 +176,7 @@ class YakvMode:
         store, quantizer = self.prompt.store, self.quantizer(self.prompt.local_keys.shape[-1])
         if self._fetched_records is None:
             self._fetched_records = torch.zeros((), dtype=torch.int64, device=ids.device)
+            self._sparse_steps = torch.zeros_like(self._fetched_records)
         if not self.reuses:
             # Zeroed, not empty: invalid slots are masked, but their values still meet a zero probability.
             keys = torch.zeros((*ids.shape, quantizer.head_dim), dtype=dtype, device=ids.device)
