@@ -2,10 +2,11 @@
 
 ShadowKV mode: every row reads one shared pinned row of values (each row still fetches its own misses over
 PCIe), so large batches need no large pinned allocation. YAKV mode (`--mode yakv`): each row has its own pinned
-records, as in `throughput.py` (4.4 GiB per row at 128K). `throughput.py` is the benchmark of record.
+records, as in `throughput.py` (4.4 GiB per row at 128K). In both modes the selection keeps a share `--h` of the
+previous step's chunks or tokens (`ControlledHitRate`). `throughput.py` is the benchmark of record.
 
 python -m benchmarks.profile_decode --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
-python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv
+python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv --h 0.55
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
             if device.type == "cuda":
                 row = layer_sizes(model, config, args.context).host_bytes_per_row
                 blocks = pinned_blocks(model.config.num_hidden_layers, row * batch)
-            cache = synthetic_cache(model, batch, args.context, config, host_blocks=blocks)
+            cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, host_blocks=blocks)
         else:
             cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, share_stored_row=True)
         step = decode(model, cache, batch, 4, args.steps, device)
