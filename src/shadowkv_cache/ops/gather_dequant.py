@@ -41,10 +41,14 @@ def gather_records(store: QuantizedKVStore, ids: torch.Tensor) -> torch.Tensor:
     batch, heads, _ = ids.shape
     host_ids = ids.to("cpu")
     rows = store.row_map[:batch, None, None]
-    block = store.data[rows, torch.arange(heads)[None, :, None], host_ids]
-    if ids.device.type == "cuda":
-        return block.pin_memory().to(ids.device, non_blocking=True)
-    return block.to(ids.device)
+    return _to_device(store.data[rows, torch.arange(heads)[None, :, None], host_ids], ids.device)
+
+
+def _to_device(records: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Records gathered on the host, copied to `device` (through pinned memory to a GPU)."""
+    if device.type == "cuda":
+        return records.pin_memory().to(device, non_blocking=True)
+    return records.to(device)
 
 
 def dequant_records(
@@ -75,8 +79,7 @@ def gather_dequant_missed_reference(
     rows, heads, slots = (i.to("cpu") for i in missed.nonzero(as_tuple=True))
     if not len(rows):
         return
-    records = store.data[store.row_map[rows], heads, ids.to("cpu")[rows, heads, slots]]  # [M, E]
-    records = records.pin_memory().to(keys.device, non_blocking=True) if keys.is_cuda else records.to(keys.device)
+    records = _to_device(store.data[store.row_map[rows], heads, ids.to("cpu")[rows, heads, slots]], keys.device)
     fresh_keys, fresh_values = dequant_records(records, quantizer, keys.dtype)
     keys[rows, heads, slots] = fresh_keys
     values[rows, heads, slots] = fresh_values

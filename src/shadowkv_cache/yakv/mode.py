@@ -111,7 +111,9 @@ class YakvMode:
         if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
             batch, heads, _ = prompt.selectable.shape
             like = prompt.local_keys
-            self.held = self._empty_held((batch, heads, prompt.max_budget_tokens, like.shape[-1]), like)
+            self.held = self._empty_held(
+                (batch, heads, prompt.max_budget_tokens, like.shape[-1]), like.dtype, like.device
+            )
 
     def drop_decode_state(self) -> None:
         """Free what only decoding needs (the held tokens); the next sparse step makes them again."""
@@ -126,11 +128,11 @@ class YakvMode:
     def graph_key(self) -> tuple:
         return id(self.prompt), id(self.held)
 
-    def _empty_held(self, shape: tuple[int, int, int, int], like: torch.Tensor) -> HeldTokens:
-        """Empty slots of `shape` (dtype and device of `like`) that count in this layer's counters."""
-        if self._counts is None or self._counts[0].device != like.device:
-            self._counts = tuple(torch.zeros((), dtype=torch.int64, device=like.device) for _ in range(2))
-        return HeldTokens.empty(shape, like.dtype, like.device, self._counts)
+    def _empty_held(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> HeldTokens:
+        """Empty slots of `shape` `(B, Hkv, K, D)` that count in this layer's counters."""
+        if self._counts is None or self._counts[0].device != device:
+            self._counts = tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+        return HeldTokens.empty(shape, dtype, device, self._counts)
 
     def attend(
         self,
@@ -185,7 +187,7 @@ class YakvMode:
             self._fetched_records += valid.sum()
             return keys, values, valid
         if self.held is None or not self.held.fits(ids, dtype):
-            self.held = self._empty_held((*ids.shape, quantizer.head_dim), ids.new_empty((), dtype=dtype))
+            self.held = self._empty_held((*ids.shape, quantizer.head_dim), dtype, ids.device)
         self._fetched_records += self.held.refresh(ids, valid, store, quantizer)
         return self.held.keys, self.held.values, self.held.held
 
