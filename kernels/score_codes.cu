@@ -174,3 +174,314 @@ __device__ __forceinline__ void code_logits_impl(float* logits, float* part_max,
 CODE_LOGITS_ALL_G(2)
 CODE_LOGITS_ALL_G(4)
 CODE_LOGITS_ALL_G(8)
+
+// ---- Tensor cores: p = 4, one query token, sm_80 and later ----------------------------------------------------------
+//
+// Why: the kernel above reads its codes at ~250 GB/s on an H200 (6% of HBM bandwidth; docs/results.md): each code
+// is a 16-byte random read of shared memory, which conflicts on banks, then p*G fp32 multiply-adds. Here each code
+// is dequantised into the A operand of an m16n8k16 MMA (16 tokens x 16 dims) with one conflict-free 8-byte read, and
+// the tensor cores multiply by the group's queries (B: 16 dims x 8 query heads). D dims of a token are its M = D/4
+// codes: the MMA's k index only has to pair key and query dims the same way, so thread `tq` of a quad takes codes
+// tq*KT .. tq*KT + KT-1 of its two tokens (one load each) and k-slots (2tq, 2tq+1, 2tq+8, 2tq+9) of k-tile kt hold
+// the 4 dims of code tq*KT + kt.
+//
+// Exactness: grid points are fp16 values (quant/higgs.py rounds them), so the A operand is exact; each query is
+// scaled by a power of two into fp16's range and split into hi + lo fp16 parts (two MMAs), so the products carry
+// ~2^-22 relative error and the fp32 sums differ from the twin's only in order, as the fp32 kernel's do.
+//
+// No logits in HBM: pass 1 (`code_states_mma`) keeps per-tile softmax states only; pass 2 (`code_scores_mma`)
+// computes the same logits again (the same instructions, so the same bits) and writes the score, max over the group
+// of the softmax. Two reads of the codes (2 x (M + 2) bytes per token) cost less than writing and reading fp32
+// logits per query head (2 x 4G bytes per token).
+//
+// Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
+
+#define MMA_THREADS 128
+#define MMA_TILE 2048   // tokens per block (score_codes.py's _MMA_TILE)
+#define MMA_COPIES 16  // copies of the grid in shared memory, one per lane of a half-warp: no bank conflicts
+#define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN
+
+__device__ __forceinline__ unsigned short f16_bits(float f) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float f16_value(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+/// \brief Two fp16 values in one register, `lo` in the low half (the MMA operands' element order).
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    return (unsigned)f16_bits(lo) | ((unsigned)f16_bits(hi) << 16);
+}
+
+/// \brief c += a . b over one m16n8k16 tile (fp16 operands, fp32 accumulators).
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // score_codes.py sends only sm_80+ here
+#endif
+}
+
+/// \brief 2^k as float32, exactly, for k in [-126, 127].
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
+
+/// \brief Add two logits to a softmax state (max, sum of exp); -inf logits add nothing.
+__device__ __forceinline__ void add_two(float& m, float& s, float a, float b) {
+    const float hi = fmaxf(m, fmaxf(a, b));
+    if (hi == NEG_INF) return;
+    s = s * __expf(m - hi) + __expf(a - hi) + __expf(b - hi);
+    m = hi;
+}
+
+/// \brief The KT code bytes of one token at `p` (shared memory, KT-byte aligned) as KT/4 words.
+template <int KT> __device__ __forceinline__ void load_words(const unsigned char* p, unsigned (&w)[KT / 4]) {
+    if constexpr (KT == 4) {
+        w[0] = *reinterpret_cast<const unsigned*>(p);
+    } else if constexpr (KT == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x; w[1] = v.y;
+    } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+}
+
+/// \brief Copy N bytes from global to shared memory asynchronously (zeros when `!valid`; `src` must still point
+/// into the tensor).
+template <int N> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(addr), "l"(src), "n"(N), "r"(valid ? N : 0));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
+/// \brief Both passes. One block per (tile of tokens, KV head, row), 4 warps; each warp takes 16 tokens at a time.
+///
+/// \param part_max, part_sum  [B, Hkv, G, NT] fp32: out in pass 1 (each tile's max and sum of exp(logit - max)),
+///                  in in pass 2
+/// \param scores    [B, Hkv, N] fp32, out in pass 2: max_g exp(logit_g - M_g) / S_g; 0 where not selectable or
+///                  where the head has nothing selectable
+/// \param query     [B, Hkv, G, D] fp32 rotated queries (one query token), contiguous
+/// \param codes     uint8 [B, Hkv, N, M], M = 4*KT, as code_logits_impl's (KT-byte aligned)
+/// \param norms, selectable, grid, scaling, sqrt_d  as code_logits_impl's
+/// Launch: grid (NT, Hkv, B), block 128 threads, MMA_TILE tokens per block.
+template <int KT, bool SCORES>
+__device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, float* scores, const float* query,
+                                              const unsigned char* codes, long long codes_row_stride,
+                                              const f16* norms, long long norms_row_stride, const bool* selectable,
+                                              long long sel_row_stride, long long sel_head_stride, const float* grid,
+                                              float scaling, float sqrt_d, int Hkv, int G, int N) {
+    constexpr int M = 4 * KT, D = 4 * M, W = KT / 4, STRIDE = MMA_THREADS / 32 * 16;
+    constexpr int DEPTH = KT == 16 ? 2 : 5;  // stages of the code ring; under 48 KiB of static shared memory in all
+    __shared__ uint2 table[256 * MMA_COPIES];
+    __shared__ unsigned short norm_bits[MMA_TILE];
+    __shared__ __align__(16) unsigned char stage[MMA_THREADS / 32][DEPTH][16 * M];
+    __shared__ float wm[MMA_THREADS / 32][8], ws[MMA_THREADS / 32][8], gm[8], gs[8];
+    const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
+    const int copy = lane & (MMA_COPIES - 1);
+    const size_t rh = (size_t)row * Hkv + head;
+
+    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += MMA_THREADS) {
+        const float4 pt = reinterpret_cast<const float4*>(grid)[i / MMA_COPIES];
+        table[i] = make_uint2(pack_f16x2(pt.x, pt.y), pack_f16x2(pt.z, pt.w));
+    }
+    // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
+    // waits on no global load but the codes'.
+    const int n0 = blockIdx.x * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
+    {
+        const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
+        const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
+#pragma unroll 4
+        for (int n = n0 + threadIdx.x; n < n1; n += MMA_THREADS) norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
+    }
+
+    // B fragments: column gid = query head gid of the group (zeros beyond G), dims 4c..4c+3 of code c = tq*KT + kt.
+    float qv[KT][4];
+    float qmax = 0.f;
+    const float* qrow = query + (rh * G + gid) * D;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            qv[kt][j] = gid < G ? qrow[4 * (tq * KT + kt) + j] : 0.f;
+            qmax = fmaxf(qmax, fabsf(qv[kt][j]));
+        }
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
+    // Scale the head by 2^k so that its largest coordinate is in [2^13, 2^14): inside fp16's range, lo parts normal.
+    const int k = qmax > 0.f ? max(-126, min(126, 13 - (((__float_as_int(qmax) >> 23) & 0xff) - 127))) : 0;
+    unsigned bhi[KT][2], blo[KT][2];
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float x0 = qv[kt][2 * h] * pow2(k), x1 = qv[kt][2 * h + 1] * pow2(k);
+            const unsigned short h0 = f16_bits(x0), h1 = f16_bits(x1);
+            bhi[kt][h] = (unsigned)h0 | ((unsigned)h1 << 16);
+            blo[kt][h] = pack_f16x2(x0 - f16_value(h0), x1 - f16_value(h1));
+        }
+    // Output columns 2tq and 2tq+1 are query heads whose scales lanes 8tq and 8tq+4 hold.
+    const int col0 = 2 * tq, col1 = 2 * tq + 1;
+    const float down0 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col0));
+    const float down1 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col1));
+
+    // Pass 2: the whole row's softmax state of each query head, merged from the tiles of pass 1 (warp w takes heads
+    // w and w + 4, its lanes a tile each).
+    if constexpr (SCORES) {
+        for (int g = warp; g < G; g += MMA_THREADS / 32) {
+            float mm = NEG_INF, ss = 0.f;
+            const size_t p = (rh * G + g) * n_tiles;
+            for (int t = lane; t < n_tiles; t += 32) merge_state(mm, ss, part_max[p + t], part_sum[p + t]);
+            for (int off = 16; off > 0; off >>= 1)
+                merge_state(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
+            if (lane == 0) { gm[g] = mm; gs[g] = ss; }
+        }
+    }
+    __syncthreads();
+    float gm0 = NEG_INF, rs0 = 1.f, gm1 = NEG_INF, rs1 = 1.f;  // the maxima and 1 / sums of exp
+    if constexpr (SCORES) {
+        if (col0 < G) { gm0 = gm[col0]; rs0 = 1.f / gs[col0]; }
+        if (col1 < G) { gm1 = gm[col1]; rs1 = 1.f / gs[col1]; }
+    }
+
+    const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * KT;
+    const unsigned char* entries = reinterpret_cast<const unsigned char*>(table + copy);  // entry v at v << 7 bytes
+    unsigned char* ring_a = &stage[warp][0][gid * M + tq * KT];
+    unsigned char* ring_b = &stage[warp][0][(gid + 8) * M + tq * KT];
+    const float unit = 1.f / sqrt_d;
+
+    // Codes stream through a ring of DEPTH stages per warp (cp.async): DEPTH - 1 groups of 16 tokens are in flight
+    // while one is scored, which hides HBM latency that one prefetched group cannot. Each thread reads back only the
+    // bytes it copied itself, so no barrier is needed.
+    const int first = n0 + warp * 16;
+    const int iters = first < n1 ? (n1 - first + STRIDE - 1) / STRIDE : 0;
+    auto issue = [&](int i) {  // this warp's i-th group into slot i % DEPTH; past the end, a zero-filled no-op
+        const int slot = (i % DEPTH) * 16 * M, na = first + i * STRIDE + gid, nb = na + 8;
+        cp_async<KT>(ring_a + slot, code_head + (size_t)min(na, n1 - 1) * M, na < n1);
+        cp_async<KT>(ring_b + slot, code_head + (size_t)min(nb, n1 - 1) * M, nb < n1);
+        cp_async_commit();
+    };
+    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // pass 1: this tile's states of columns col0, col1
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; ++i) issue(i);
+    for (int it = 0; it < iters; ++it) {
+        issue(it + DEPTH - 1);
+        cp_async_wait<DEPTH - 1>();
+        const int na = first + it * STRIDE + gid, nb = na + 8;
+        unsigned wa[W], wb[W];
+        load_words<KT>(ring_a + (it % DEPTH) * 16 * M, wa);
+        load_words<KT>(ring_b + (it % DEPTH) * 16 * M, wb);
+        const bool in_a = na < n1, in_b = nb < n1;
+        const unsigned short ha = in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
+        const unsigned short hb = in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
+        const bool ok_a = ha != NOT_SELECTABLE, ok_b = hb != NOT_SELECTABLE;
+        const float scale_a = f16_value(ha) * unit, scale_b = f16_value(hb) * unit;
+
+        // Four accumulators (hi/lo parts x even/odd k-tiles): four short dependency chains of MMAs, not one.
+        float acc[4][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            const int shift = 8 * (kt & 3);
+            const uint2 ea = *reinterpret_cast<const uint2*>(entries + (((wa[kt >> 2] >> shift) & 0xffu) << 7));
+            const uint2 eb = *reinterpret_cast<const uint2*>(entries + (((wb[kt >> 2] >> shift) & 0xffu) << 7));
+            const unsigned a[4] = {ea.x, eb.x, ea.y, eb.y};
+            mma_m16n8k16(acc[kt & 1], a, bhi[kt][0], bhi[kt][1]);
+            mma_m16n8k16(acc[2 + (kt & 1)], a, blo[kt][0], blo[kt][1]);
+        }
+        float c[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+        // c: (token na, col0), (na, col1), (nb, col0), (nb, col1)
+        const float la0 = ok_a ? c[0] * down0 * scale_a * scaling : NEG_INF;
+        const float la1 = ok_a ? c[1] * down1 * scale_a * scaling : NEG_INF;
+        const float lb0 = ok_b ? c[2] * down0 * scale_b * scaling : NEG_INF;
+        const float lb1 = ok_b ? c[3] * down1 * scale_b * scaling : NEG_INF;
+        if constexpr (SCORES) {
+            float best_a = 0.f, best_b = 0.f;
+            if (col0 < G && gm0 != NEG_INF) {
+                best_a = fmaxf(best_a, __expf(la0 - gm0) * rs0);
+                best_b = fmaxf(best_b, __expf(lb0 - gm0) * rs0);
+            }
+            if (col1 < G && gm1 != NEG_INF) {
+                best_a = fmaxf(best_a, __expf(la1 - gm1) * rs1);
+                best_b = fmaxf(best_b, __expf(lb1 - gm1) * rs1);
+            }
+            best_a = fmaxf(best_a, __shfl_xor_sync(0xffffffffu, best_a, 1));
+            best_a = fmaxf(best_a, __shfl_xor_sync(0xffffffffu, best_a, 2));
+            best_b = fmaxf(best_b, __shfl_xor_sync(0xffffffffu, best_b, 1));
+            best_b = fmaxf(best_b, __shfl_xor_sync(0xffffffffu, best_b, 2));
+            if (tq == 0 && in_a) scores[rh * N + na] = best_a;
+            if (tq == 0 && in_b) scores[rh * N + nb] = best_b;
+        } else {
+            add_two(m0, s0, la0, lb0);
+            add_two(m1, s1, la1, lb1);
+        }
+    }
+    cp_async_wait<0>();
+
+    if constexpr (!SCORES) {
+        // The quad's columns over the warp's 8 row groups, then over the block's warps.
+        for (int off = 4; off < 32; off <<= 1) {
+            merge_state(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
+            merge_state(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
+        }
+        if (gid == 0) {
+            wm[warp][col0] = m0; ws[warp][col0] = s0;
+            wm[warp][col1] = m1; ws[warp][col1] = s1;
+        }
+        __syncthreads();
+        if (threadIdx.x < G) {
+            float mm = NEG_INF, ss = 0.f;
+#pragma unroll
+            for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
+            const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
+            part_max[p] = mm;
+            part_sum[p] = ss;
+        }
+    }
+}
+
+#define CODE_MMA(KT)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS) code_states_mma_k##KT(                              \
+        float* part_max, float* part_sum, const float* query, const unsigned char* codes,                         \
+        long long codes_row_stride, const f16* norms, long long norms_row_stride, const bool* selectable,        \
+        long long sel_row_stride, long long sel_head_stride, const float* grid, float scaling, float sqrt_d,     \
+        int Hkv, int G, int N) {                                                                                 \
+        code_mma_impl<KT, false>(part_max, part_sum, nullptr, query, codes, codes_row_stride, norms,             \
+                                 norms_row_stride, selectable, sel_row_stride, sel_head_stride, grid, scaling,   \
+                                 sqrt_d, Hkv, G, N);                                                             \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS) code_scores_mma_k##KT(                              \
+        float* scores, const float* part_max, const float* part_sum, const float* query,                         \
+        const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
+        const bool* selectable, long long sel_row_stride, long long sel_head_stride, const float* grid,          \
+        float scaling, float sqrt_d, int Hkv, int G, int N) {                                                    \
+        code_mma_impl<KT, true>(const_cast<float*>(part_max), const_cast<float*>(part_sum), scores, query,       \
+                                codes, codes_row_stride, norms, norms_row_stride, selectable, sel_row_stride,    \
+                                sel_head_stride, grid, scaling, sqrt_d, Hkv, G, N);                              \
+    }
+
+CODE_MMA(4)   // D = 64
+CODE_MMA(8)   // D = 128
+CODE_MMA(16)  // D = 256

@@ -235,6 +235,9 @@ def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) ->
     [
         (2, 8, 4, 16381, 128, 4),
         (3, 3, 3, 700, 64, 4),
+        (1, 2, 8, 5000, 256, 4),
+        (2, 2, 1, 37, 128, 4),
+        (1, 1, 7, 4100, 128, 4),
         (1, 2, 8, 5000, 128, 2),
         (2, 2, 5, 513, 128, 8),
         (4, 2, 1, 37, 64, 2),
@@ -242,9 +245,11 @@ def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) ->
         (2, 4, 2, 1031, 64, 8),
     ],
 )
-def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim):
-    """Softmax over tokens of the code logits, max over the group. The kernel sums the dot products in another
-    order than the twin's table and uses `__expf`: ~1e-5 relative, well inside 1e-3."""
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim, tensor_cores):
+    """Softmax over tokens of the code logits, max over the group, from the tensor-core kernels (grid dim 4) and the
+    fp32 kernel. They sum the dot products in another order than the twin's table and use `__expf`: ~1e-5
+    relative, well inside 1e-3."""
     torch.manual_seed(0)
     quantizer = HiggsQuantizer(dim, grid_dim)
     codes, norms = scoring_state(batch, kv_heads, num, quantizer)
@@ -253,7 +258,7 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     real[0] = False  # a row with nothing selectable scores 0 everywhere
     selectable = real[:, None, :].expand(-1, kv_heads, -1)  # the layer's own view: head stride 0
     scaling = dim**-0.5
-    got = code_scores(query, codes, norms, selectable, quantizer, scaling)
+    got = code_scores(query, codes, norms, selectable, quantizer, scaling, tensor_cores=tensor_cores)
     want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
     assert got.shape == want.shape == (batch, kv_heads, num)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
@@ -311,6 +316,32 @@ def test_softmax_group_max_kernel_matches_twin(batch, kv_heads, group, num, tile
     assert scores[0, 0].eq(0).all() and scores[~selectable].eq(0).all()
 
 
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4])
+def test_tensor_core_scores_hold_any_query_magnitude(magnitude, monkeypatch):
+    """The tensor-core kernels scale each query head by a power of two into fp16's range and split it into two fp16
+    parts: queries far below or above fp16's comfortable range still score as the twin does (fp32), and the
+    tensor-core path is the one that ran."""
+    import shadowkv_cache.ops.score_codes as score_codes
+
+    if torch.cuda.get_device_capability(CUDA) < (8, 0):
+        pytest.skip("tensor-core scoring needs sm_80 or later")
+    calls = []
+    real = score_codes._code_scores_mma
+    monkeypatch.setattr(score_codes, "_code_scores_mma", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(3)
+    batch, kv_heads, group, num, dim = 2, 4, 4, 3000, 128
+    quantizer = HiggsQuantizer(dim, 4)
+    codes, norms = scoring_state(batch, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA) * magnitude
+    query[:, 1] *= 4  # heads of one group apart in scale
+    selectable = torch.ones(batch, kv_heads, num, dtype=torch.bool, device=CUDA)
+    scaling = 0.05 / magnitude  # logits of a usual size whatever the query's scale
+    got = code_scores(query, codes, norms, selectable, quantizer, scaling)
+    want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
+
+
 def test_code_scores_kernel_reads_a_shared_document_in_place():
     torch.manual_seed(1)
     batch, kv_heads, group, num, dim = 3, 8, 4, 2000, 128
@@ -345,3 +376,25 @@ def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, prompt, budget, mon
     twins = generate_with(model, ids, ShadowKVCache(model, **config))
     assert torch.equal(with_kernels.sequences, twins.sequences)
     torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch, prompt, budget, beams",
+    [("llama", 301, 24, 1), ("qwen3", 301, 24, 1), ("llama", 1500, 1100, 1), ("llama", 301, 24, 2)],
+)
+def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget, beams):
+    """One-token YAKV steps run as CUDA graphs (every compressed layer captured) and give the eager steps' tokens,
+    logits and hit counts: the held tokens, the scan and the counters are replayed, not frozen at capture. Beam
+    search reorders rows between steps, so its layers capture again."""
+    ids = random_prompt(prompt).to(CUDA)
+    model = make_tiny_model(arch).to(CUDA)
+    config = {"mode": "yakv", "sparse_budget": budget, "min_compress_len": 64}
+    graphed = ShadowKVCache(model, **config)
+    got = generate_with(model, ids, graphed, max_new_tokens=24, num_beams=beams)
+    eager = ShadowKVCache(model, cuda_graphs=False, **config)
+    want = generate_with(model, ids, eager, max_new_tokens=24, num_beams=beams)
+    if beams == 1:  # beam search ends on a reorder, which drops the graphs
+        assert all(layer._graph is not None for layer in graphed.layers if layer.is_compressed)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+    assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate

@@ -9,14 +9,17 @@ the PyTorch twin that defines the meaning; it works on blocks of tokens so that 
 block stays bounded whatever N.
 
 `code_scores` is what `QuantizedKeyTopK` ranks tokens by: the softmax over tokens of those logits, summed over
-query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it; for one query
-token on CUDA, `kernels/score_codes.cu` reads the codes once and writes fp32 logits with per-tile softmax
-states, and `softmax_group_max` (softmax_group_max.cu) normalises them and takes the group max.
+query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it. For one query token
+on CUDA, `kernels/score_codes.cu` computes it in two passes over the codes: on tensor cores (sm_80+, grid dim 4,
+D in {64, 128, 256}) pass 1 keeps per-tile softmax states and pass 2 writes the scores, with no logits in HBM;
+otherwise an fp32 kernel writes fp32 logits with per-tile states and `softmax_group_max` (softmax_group_max.cu)
+normalises them and takes the group max.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -98,6 +101,26 @@ def attention_scores(logits: torch.Tensor, selectable: torch.Tensor, groups: int
 _MAX_GROUP = 8
 _MAX_DIM = 256
 _THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
+# Tensor-core kernels: 4 warps per block, 2048 tokens per block (score_codes.cu's MMA_TILE).
+_MMA_THREADS, _MMA_TILE = 128, 2048
+_MMA_K_TILES = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
+
+
+@functools.cache
+def _has_mma(index: int) -> bool:
+    """Whether CUDA device `index` runs `mma.sync.m16n8k16` with fp16 operands (sm_80 and later)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def _tensor_cores(device: torch.device, grid_dim: int, m: int, codes: torch.Tensor) -> bool:
+    k_tiles = m // 4
+    return (
+        grid_dim == 4
+        and m % 4 == 0
+        and k_tiles in _MMA_K_TILES
+        and all(x % k_tiles == 0 for x in (codes.data_ptr(), codes.stride(0)))
+        and _has_mma(device.index if device.index is not None else torch.cuda.current_device())
+    )
 
 
 def _codes_per_thread(group: int, grid_dim: int) -> int:
@@ -113,11 +136,13 @@ def code_scores(
     selectable: torch.Tensor,
     quantizer: HiggsQuantizer,
     scaling: float,
+    tensor_cores: bool = True,
 ) -> torch.Tensor:
     """Same as `code_scores_reference`; the kernels for one query token on CUDA, the twin otherwise.
 
-    The kernel sums each dot product in another order than the twin's table (fp32 round-off of a D-term sum)
-    and exponentiates with `__expf`: equal to ~1e-5 relative.
+    The kernels sum each dot product in another order than the twin's table (fp32 round-off of a D-term sum)
+    and exponentiate with `__expf`: equal to ~1e-5 relative. `tensor_cores=False` keeps to the fp32 kernel
+    (the tests compare both with the twin).
     """
     batch, heads, num, m = codes.shape
     q_heads, q_len, dim = query.shape[1:]
@@ -145,6 +170,8 @@ def code_scores(
         return code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
     rotated = quantizer.rotate(query.reshape(batch, heads, group, dim)).contiguous()  # [B, Hkv, G, D] fp32
     grid, _ = quantizer.device_tables(query.device)
+    if tensor_cores and _tensor_cores(query.device, p, m, codes):
+        return _code_scores_mma(rotated, codes, norms, selectable, grid, scaling, dim)
     tiles = -(-num // _TILE)
     logits = torch.empty((batch, heads, group, num), dtype=torch.float32, device=query.device)
     part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=query.device)
@@ -182,4 +209,45 @@ def code_scores(
         block=(_THREADS, 1, 1),
         args=[scores, logits, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
     )
+    return scores
+
+
+def _code_scores_mma(
+    rotated: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    grid: torch.Tensor,
+    scaling: float,
+    dim: int,
+) -> torch.Tensor:
+    """The tensor-core kernels' scores `[B, Hkv, N]` fp32 for rotated queries `[B, Hkv, G, D]` fp32 (contiguous) and
+    the arguments `code_scores` checked."""
+    batch, heads, group, _ = rotated.shape
+    num, m = codes.shape[2:]
+    tiles = -(-num // _MMA_TILE)
+    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=rotated.device)
+    part_sum = torch.empty_like(part_max)
+    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=rotated.device)
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    common = [
+        rotated,
+        codes,
+        (codes.stride(0), i64),
+        norms,
+        (norms.stride(0), i64),
+        selectable,
+        (selectable.stride(0), i64),
+        (selectable.stride(1), i64),
+        grid,
+        (float(scaling), ctypes.c_float),
+        (math.sqrt(dim), ctypes.c_float),
+        (heads, i32),
+        (group, i32),
+        (num, i32),
+    ]
+    kernels = load_kernels("score_codes", rotated.device)
+    launch = {"grid": (tiles, heads, batch), "block": (_MMA_THREADS, 1, 1)}
+    kernels.launch(f"code_states_mma_k{m // 4}", args=[part_max, part_sum, *common], **launch)
+    kernels.launch(f"code_scores_mma_k{m // 4}", args=[scores, part_max, part_sum, *common], **launch)
     return scores
