@@ -7,8 +7,9 @@ tokens per KV head, D head dim.
 At prefill the prompt's post-RoPE keys and values are quantised ~4-bit into host memory and a ~2-bit copy of every
 key stays on the device. Each decode step scores every token from that copy, selects the top-K tokens per KV head,
 keeps the ones the previous step already fetched (`HeldTokens`), fetches and dequantises the others, and attends
-exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. The step is
-not yet captured as a CUDA graph.
+exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. Nothing in a
+one-token step waits for the host (the counters live on the device, the scan and the fetch write in place), so the
+layer captures it as a CUDA graph and replays it (`hf/decode_graph.py`), as in ShadowKV mode.
 
 A policy that shares the budget across heads (`SharedBudgetTopK`) gives each head up to `Hkv*k` slots, of which
 `k` are valid on average: holding them all would take `Hkv` times the memory, so such a step fetches its valid
@@ -43,7 +44,7 @@ class YakvMode:
     """
 
     name = "yakv"
-    graph_safe = False
+    graph_safe = True  # a one-token step never synchronises with the host
 
     def __init__(self, config: ShadowKVConfig, policy: SelectionPolicy, quantizer: HiggsQuantizer | None = None):
         self.config, self.policy = config, policy
