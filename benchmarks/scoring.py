@@ -1,0 +1,149 @@
+"""YAKV token scoring against HBM bandwidth: the tensor-core kernels against the fp32 kernel, in one run.
+
+Legend: B batch, Hkv KV heads, G query heads per KV head, N prompt tokens, M = D/4 code bytes per token, K selected
+tokens per KV head.
+
+Each decode step of YAKV mode scores every prompt token of every KV head from its ~2-bit code (`code_scores`,
+`ops/score_codes.py`), then takes the top K. This times one layer's scoring on random codes (Llama-3.1-8B shape:
+Hkv = 8, G = 4, D = 128, so 32 code bytes and a 2-byte norm per token and head) with CUDA events, for
+
+- `tensor cores`: two passes over the codes on tensor cores, softmax states only in between (sm_80+);
+- `fp32`: the fp32 kernel, which writes fp32 logits per query head, then `softmax_group_max`;
+
+and reports the rate at which each goes through the codes and norms (`codes_GBps`: their bytes once / time, what
+"reads its codes at X% of HBM bandwidth" means) beside the bytes it really moves (`moved_GBps`: the tensor-core
+kernels read the codes twice; the fp32 path writes and reads logits), both as shares of the measured copy
+bandwidth, and the time of `torch.topk` over the scores at the default budget (3.125% of N). The two kernels'
+scores are compared on the same data (`max_rel_diff`, `topk_agree`).
+
+    python -m benchmarks.scoring --device cuda          # the H200 run (under a minute)
+    python -m benchmarks.scoring --small                # a tiny CPU run of the twin (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from benchmarks.results_io import add_results_dir_option, environment, write_results
+from benchmarks.speed import free, hbm_bandwidth, log, sync
+from shadowkv_cache.ops.score_codes import code_scores
+from shadowkv_cache.quant import HiggsQuantizer
+
+KERNELS = {"tensor cores": True, "fp32": False}
+
+
+def time_ms(fn, device: torch.device, warm: int = 3, reps: int = 10) -> float:
+    """Mean wall time of `fn()` on `device`, ms (CUDA events on a GPU)."""
+    for _ in range(warm):
+        fn()
+    if device.type != "cuda":
+        import time
+
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    sync(device)
+    return start.elapsed_time(end) / reps
+
+
+def one_layer(context: int, batch: int, heads: int, group: int, dim: int, device: torch.device, bandwidth: float):
+    """Rows for one (context, batch): each kernel's time and rates, and their agreement."""
+    quantizer = HiggsQuantizer(dim, 4)
+    m = quantizer.num_subvectors
+    gen = torch.Generator(device=device).manual_seed(0)
+    codes = torch.randint(0, 256, (batch, heads, context, m), dtype=torch.uint8, device=device, generator=gen)
+    norms = (torch.rand(batch, heads, context, device=device, generator=gen) * 4 + 8).half()
+    selectable = torch.ones(batch, 1, context, dtype=torch.bool, device=device).expand(-1, heads, -1)
+    query = torch.randn(batch, heads * group, 1, dim, device=device, generator=gen).to(torch.bfloat16)
+    scaling = dim**-0.5
+    k = max(1, round(0.03125 * context))
+    once = codes.numel() + norms.numel() * 2 + batch * context  # codes, norms, selectable
+    scores_bytes = batch * heads * context * 4
+    moved = {
+        "tensor cores": 2 * once + scores_bytes,
+        "fp32": once + 2 * batch * heads * group * context * 4 + 2 * scores_bytes,
+    }
+    rows, outputs = [], {}
+    kernels = KERNELS if device.type == "cuda" else {"twin": False}
+    for name, tensor_cores in kernels.items():
+        run = functools.partial(code_scores, query, codes, norms, selectable, quantizer, scaling, tensor_cores)
+        ms = time_ms(run, device)
+        scores = outputs[name] = run()
+        topk_ms = time_ms(functools.partial(torch.topk, scores, k, dim=-1), device)
+        rows.append(
+            {
+                "context": context,
+                "batch": batch,
+                "kernel": name,
+                "ms": round(ms, 4),
+                "codes_GBps": round(once / ms / 1e6, 1),
+                "codes_share_of_hbm": round(once / ms / 1e-3 / bandwidth, 3) if bandwidth == bandwidth else None,
+                "moved_GBps": round(moved.get(name, once) / ms / 1e6, 1),
+                "topk_ms": round(topk_ms, 4),
+                "k": k,
+            }
+        )
+        log("RESULT", rows[-1])
+    if len(outputs) == 2:
+        a, b = outputs["tensor cores"], outputs["fp32"]
+        rel = ((a - b).abs() / b.abs().clamp_min(1e-30)).where(b > 1e-6 * b.amax(), torch.zeros_like(b))
+        agree = (a.topk(k, dim=-1).indices.sort(-1).values == b.topk(k, dim=-1).indices.sort(-1).values).float().mean()
+        for row in rows:
+            row["max_rel_diff"] = float(f"{rel.max().item():.3g}")
+            row["topk_agree"] = round(agree.item(), 4)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="tiny sizes on the CPU (checks the script)")
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--batches", default="1,4,12,23")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--name", default=None)
+    add_results_dir_option(parser)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.small else args.device)
+    contexts = [2048] if args.small else [int(c) for c in args.contexts.split(",")]
+    batches = [1, 2] if args.small else [int(b) for b in args.batches.split(",")]
+    bandwidth = hbm_bandwidth(device)
+    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            rows += one_layer(context, batch, args.kv_heads, args.group, args.dim, device, bandwidth)
+            free(device)  # one layer's codes at a time
+    env = environment(str(device), "bfloat16 queries, uint8 codes")
+    env["hbm_copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1) if bandwidth == bandwidth else None
+    env["shape"] = f"Hkv={args.kv_heads}, G={args.group}, D={args.dim}, grid dim 4 (one layer)"
+    for row in rows:
+        row["series"] = f"{row['kernel']}, {row['context'] // 1024}K"
+    name = args.name or ("scoring_cpu_small" if args.small else f"scoring_{device.type}")
+    notes = (
+        "One layer's YAKV token scoring (softmax over tokens from ~2-bit codes, max over the GQA group), random "
+        "codes. `codes_GBps`: code, norm and mask bytes once / time; `codes_share_of_hbm`: that over the measured "
+        "copy bandwidth; `moved_GBps`: bytes each path really moves / time; `topk_ms`: `torch.topk` of K = 3.125% "
+        "of N over the scores."
+    )
+    columns = ["context", "batch", "kernel", "ms", "codes_GBps", "codes_share_of_hbm", "moved_GBps", "topk_ms"]
+    columns += ["max_rel_diff", "topk_agree"]
+    title = "YAKV token scoring: tensor cores vs fp32 kernel (one layer, Llama-3.1-8B shape)"
+    plot = {"x": "batch", "y": "codes_GBps", "series": "series", "ylabel": "code bytes / time (GB/s)"}
+    write_results(name, title, env, rows, columns, plot, notes)
+    log(f"done: {name}")
+
+
+if __name__ == "__main__":
+    main()
