@@ -8,8 +8,9 @@ At prefill the prompt's post-RoPE keys and values are quantised ~4-bit into host
 key stays on the device. Each decode step scores every token from that copy, selects the top-K tokens per KV head,
 keeps the ones the previous step already fetched (`HeldTokens`), fetches and dequantises the others, and attends
 exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. Nothing in a
-one-token step waits for the host (the counters live on the device, the scan and the fetch write in place), so the
-layer captures it as a CUDA graph and replays it (`hf/decode_graph.py`), as in ShadowKV mode.
+one-token step waits for the host (the counters live on the device, the scan and the fetch write in place) when
+the records are pinned, so the layer captures it as a CUDA graph and replays it (`hf/decode_graph.py`), as in
+ShadowKV mode.
 
 A policy that shares the budget across heads (`SharedBudgetTopK`) gives each head up to `Hkv*k` slots, of which
 `k` are valid on average: holding them all would take `Hkv` times the memory, so such a step fetches its valid
@@ -44,13 +45,13 @@ class YakvMode:
     """
 
     name = "yakv"
-    graph_safe = True  # a one-token step never synchronises with the host
 
     def __init__(self, config: ShadowKVConfig, policy: SelectionPolicy, quantizer: HiggsQuantizer | None = None):
         self.config, self.policy = config, policy
         self.prompt: QuantizedPrompt | None = None
         self.held: HeldTokens | None = None
         self._quantizer = quantizer
+        self._pinned = False  # whether the prompt's records are in pinned memory (graph_safe)
         self._dense_bytes = 0  # read by dense multi-token steps (known on the host)
         self._fetched_records: torch.Tensor | None = None  # by single-token steps (counted on the device)
         self._sparse_steps: torch.Tensor | None = None  # steps that selected tokens (on the device, as the above)
@@ -102,6 +103,13 @@ class YakvMode:
         return 0 if self._sparse_steps is None else int(self._sparse_steps)
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether a one-token step never synchronises with the host, so the layer may capture it: true unless the
+        records sit in pageable host memory (`pin_memory=False`), which only the twin's fetch reads, waiting for
+        the host."""
+        return self._pinned
+
+    @property
     def reuses(self) -> bool:
         """Whether steps keep the previous step's tokens (every policy but one that shares the budget)."""
         return not self.policy.shares_budget
@@ -109,6 +117,14 @@ class YakvMode:
     def set_prompt(self, prompt: QuantizedPrompt | None) -> None:
         """Hold `prompt` (a loaded, shared or joined one) with no token held yet."""
         self.prompt, self.held = prompt, None
+        self._pinned = prompt is not None and prompt.store.data.is_pinned()
+        if prompt is not None:
+            # Counters are made here, never inside a step: a step captured as a graph would replay their creation
+            # and zero them at every replay (a cache reset keeps its layers' readiness to capture).
+            device = prompt.local_keys.device
+            if self._fetched_records is None or self._fetched_records.device != device:
+                self._fetched_records = torch.zeros((), dtype=torch.int64, device=device)
+                self._sparse_steps = torch.zeros_like(self._fetched_records)
         if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
             batch, heads, _ = prompt.selectable.shape
             like = prompt.local_keys
@@ -177,9 +193,6 @@ class YakvMode:
         """Keys and values `[B, Hkv, K', D]` of the selection `ids` (`[B, Hkv, K']`, where `valid`) and their validity:
         the held tokens refreshed, or (no reuse) the valid ones fetched into zeroed buffers."""
         store, quantizer = self.prompt.store, self.quantizer(self.prompt.local_keys.shape[-1])
-        if self._fetched_records is None:
-            self._fetched_records = torch.zeros((), dtype=torch.int64, device=ids.device)
-            self._sparse_steps = torch.zeros_like(self._fetched_records)
         if not self.reuses:
             # Zeroed, not empty: invalid slots are masked, but their values still meet a zero probability.
             keys = torch.zeros((*ids.shape, quantizer.head_dim), dtype=dtype, device=ids.device)
