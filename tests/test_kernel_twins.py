@@ -406,14 +406,16 @@ def test_every_kernel_source_is_found():
         assert "\\brief" in source and 'extern "C" __global__' in source and "common.cuh" in headers
 
 
-def test_nvrtc_compiles_every_kernel_when_available(tmp_path):
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])  # Ampere (A100) and Hopper (H100, H200)
+def test_nvrtc_compiles_every_kernel_when_available(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     try:
-        kernel_loader._nvrtc_compile("probe.cu", 'extern "C" __global__ void k() {}', {}, ["--gpu-architecture=sm_90"])
+        probe = 'extern "C" __global__ void k() {}'
+        kernel_loader._nvrtc_compile("probe.cu", probe, {}, [f"--gpu-architecture={arch}"])
     except Exception as err:  # cuda-python without an NVRTC library
         pytest.skip(f"NVRTC unusable here: {err}")
     for stem in KERNEL_STEMS:
-        cubin = kernel_loader.cubin_for(stem, "sm_90", directory=tmp_path)
+        cubin = kernel_loader.cubin_for(stem, arch, directory=tmp_path)
         assert cubin[:4] == b"\x7fELF", stem
 
 

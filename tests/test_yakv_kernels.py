@@ -24,6 +24,7 @@ from shadowkv_cache.ops.gather_dequant import (
 from shadowkv_cache.ops.loader import kernels_available, load_kernels
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
 from shadowkv_cache.ops.score_codes import _SOFTMAX_TILE, _THREADS, attention_scores, code_scores, code_scores_reference
+from shadowkv_cache.policies.shared_budget import SharedBudgetTopK
 from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
 from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
 
@@ -246,10 +247,14 @@ def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) ->
     ],
 )
 @pytest.mark.parametrize("tensor_cores", [True, False])
-def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim, tensor_cores):
-    """Softmax over tokens of the code logits, max over the group, from the tensor-core kernels (grid dim 4) and the
-    fp32 kernel. They sum the dot products in another order than the twin's table and use `__expf`: ~1e-5
-    relative, well inside 1e-3."""
+def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim, tensor_cores, monkeypatch):
+    """Softmax over tokens of the code logits, max over the group, from the tensor-core kernels (grid dim 4, sm_80+:
+    checked to be the path that ran) and the fp32 kernel. They sum the dot products in another order than the twin's
+    table and use `__expf`: ~1e-5 relative, well inside 1e-3."""
+    mma = tensor_cores and grid_dim == 4 and torch.cuda.get_device_capability(CUDA) >= (8, 0)
+    if tensor_cores and not mma:
+        pytest.skip("the tensor-core kernels take grid dim 4 on sm_80+; the fp32 case covers the rest")
+    calls = spy_on_tensor_cores(monkeypatch)
     torch.manual_seed(0)
     quantizer = HiggsQuantizer(dim, grid_dim)
     codes, norms = scoring_state(batch, kv_heads, num, quantizer)
@@ -260,6 +265,7 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     scaling = dim**-0.5
     got = code_scores(query, codes, norms, selectable, quantizer, scaling, tensor_cores=tensor_cores)
     want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    assert calls == ([1] if mma else [])
     assert got.shape == want.shape == (batch, kv_heads, num)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
     assert got[0].eq(0).all()
@@ -316,30 +322,37 @@ def test_softmax_group_max_kernel_matches_twin(batch, kv_heads, group, num, tile
     assert scores[0, 0].eq(0).all() and scores[~selectable].eq(0).all()
 
 
+def spy_on_tensor_cores(monkeypatch) -> list[int]:
+    """A list that gets one entry per call of the tensor-core scoring path."""
+    import shadowkv_cache.ops.score_codes as score_codes
+
+    calls: list[int] = []
+    real = score_codes._code_scores_mma
+    monkeypatch.setattr(score_codes, "_code_scores_mma", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4])
 def test_tensor_core_scores_hold_any_query_magnitude(magnitude, monkeypatch):
     """The tensor-core kernels scale each query head by a power of two into fp16's range and split it into two fp16
-    parts: queries far below or above fp16's comfortable range still score as the twin does (fp32), and the
-    tensor-core path is the one that ran."""
-    import shadowkv_cache.ops.score_codes as score_codes
-
+    parts: queries far below or above fp16's comfortable range still score as the twin does (fp32), with tokens
+    selectable per head; and the tensor-core path is the one that ran."""
     if torch.cuda.get_device_capability(CUDA) < (8, 0):
         pytest.skip("tensor-core scoring needs sm_80 or later")
-    calls = []
-    real = score_codes._code_scores_mma
-    monkeypatch.setattr(score_codes, "_code_scores_mma", lambda *a: calls.append(1) or real(*a))
+    calls = spy_on_tensor_cores(monkeypatch)
     torch.manual_seed(3)
     batch, kv_heads, group, num, dim = 2, 4, 4, 3000, 128
     quantizer = HiggsQuantizer(dim, 4)
     codes, norms = scoring_state(batch, kv_heads, num, quantizer)
     query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA) * magnitude
     query[:, 1] *= 4  # heads of one group apart in scale
-    selectable = torch.ones(batch, kv_heads, num, dtype=torch.bool, device=CUDA)
+    selectable = torch.rand(batch, kv_heads, num, device=CUDA) < 0.8  # each head its own tokens
     scaling = 0.05 / magnitude  # logits of a usual size whatever the query's scale
     got = code_scores(query, codes, norms, selectable, quantizer, scaling)
     want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
     assert calls == [1]
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * want.amax().item())
+    assert got[~selectable].eq(0).all()
 
 
 def test_code_scores_kernel_reads_a_shared_document_in_place():
@@ -378,23 +391,40 @@ def test_yakv_kernel_path_matches_twin_path_end_to_end(arch, prompt, budget, mon
     torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
 
 
+def fetched_bytes(cache: ShadowKVCache) -> int:
+    return sum(layer.mode.fetched_bytes for layer in cache.layers if layer.is_compressed)
+
+
 @pytest.mark.parametrize(
-    "arch, prompt, budget, beams",
-    [("llama", 301, 24, 1), ("qwen3", 301, 24, 1), ("llama", 1500, 1100, 1), ("llama", 301, 24, 2)],
+    "arch, prompt, budget, beams, shared",
+    [
+        ("llama", 301, 24, 1, False),
+        ("qwen3", 301, 24, 1, False),
+        ("llama", 1500, 1100, 1, False),
+        ("llama", 301, 24, 2, False),
+        ("llama", 301, 24, 1, True),  # SharedBudgetTopK: no held tokens, each step's selection fetched afresh
+    ],
 )
-def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget, beams):
+def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget, beams, shared):
     """One-token YAKV steps run as CUDA graphs (every compressed layer captured) and give the eager steps' tokens,
-    logits and hit counts: the held tokens, the scan and the counters are replayed, not frozen at capture. Beam
-    search reorders rows between steps, so its layers capture again."""
+    logits, hit counts and fetched bytes: the held tokens, the scan and the counters are replayed, not frozen at
+    capture, also after `reset()` and a second document (whose first step the layers capture at once). Beam search
+    reorders rows between steps, so its layers capture again."""
     ids = random_prompt(prompt).to(CUDA)
     model = make_tiny_model(arch).to(CUDA)
     config = {"mode": "yakv", "sparse_budget": budget, "min_compress_len": 64}
+    if shared:
+        config["policy"] = SharedBudgetTopK()
     graphed = ShadowKVCache(model, **config)
-    got = generate_with(model, ids, graphed, max_new_tokens=24, num_beams=beams)
     eager = ShadowKVCache(model, cuda_graphs=False, **config)
-    want = generate_with(model, ids, eager, max_new_tokens=24, num_beams=beams)
-    if beams == 1:  # beam search ends on a reorder, which drops the graphs
-        assert all(layer._graph is not None for layer in graphed.layers if layer.is_compressed)
-    assert torch.equal(got.sequences, want.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
-    assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate
+    for document in (ids, random_prompt(prompt, seed=5).to(CUDA)):
+        graphed.reset()
+        eager.reset()
+        got = generate_with(model, document, graphed, max_new_tokens=24, num_beams=beams)
+        want = generate_with(model, document, eager, max_new_tokens=24, num_beams=beams)
+        if beams == 1:  # beam search ends on a reorder, which drops the graphs
+            assert all(layer._graph is not None for layer in graphed.layers if layer.is_compressed)
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+        assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate
+        assert fetched_bytes(graphed) == fetched_bytes(eager) > 0
