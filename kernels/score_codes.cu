@@ -177,22 +177,23 @@ CODE_LOGITS_ALL_G(8)
 
 // ---- Tensor cores: p = 4, one query token, sm_80 and later ----------------------------------------------------------
 //
-// Why: the kernel above reads its codes at ~250 GB/s on an H200 (6% of HBM bandwidth; docs/results.md): each code
-// is a 16-byte random read of shared memory, which conflicts on banks, then p*G fp32 multiply-adds. Here each code
-// is dequantised into the A operand of an m16n8k16 MMA (16 tokens x 16 dims) with one conflict-free 8-byte read, and
-// the tensor cores multiply by the group's queries (B: 16 dims x 8 query heads). D dims of a token are its M = D/4
-// codes: the MMA's k index only has to pair key and query dims the same way, so thread `tq` of a quad takes codes
-// tq*KT .. tq*KT + KT-1 of its two tokens (one load each) and k-slots (2tq, 2tq+1, 2tq+8, 2tq+9) of k-tile kt hold
-// the 4 dims of code tq*KT + kt.
+// Why: the kernel above reads its codes at ~150 GB/s on an H200 (under 4% of HBM bandwidth;
+// benchmarks/results/scoring_cuda.md): each code is a 16-byte random read of shared memory, which conflicts on
+// banks, then p*G fp32 multiply-adds. Here each code is dequantised into the A operand of an m16n8k16 MMA (16 tokens
+// x 16 dims) with one conflict-free 8-byte read, and the tensor cores multiply by the group's queries (B: 16 dims x 8
+// query heads). D dims of a token are its M = D/4 codes: the MMA's k index only has to pair key and query dims the
+// same way, so thread `tq` of a quad takes codes tq*KT .. tq*KT + KT-1 of its two tokens (one load each) and
+// k-slots (2tq, 2tq+1, 2tq+8, 2tq+9) of k-tile kt hold the 4 dims of code tq*KT + kt.
 //
-// Exactness: grid points are fp16 values (quant/higgs.py rounds them), so the A operand is exact; each query is
+// Exactness: 4-D grid points are fp16 values (quant/higgs.py rounds them), so the A operand is exact; each query is
 // scaled by a power of two into fp16's range and split into hi + lo fp16 parts (two MMAs), so the products carry
 // ~2^-22 relative error and the fp32 sums differ from the twin's only in order, as the fp32 kernel's do.
 //
 // No logits in HBM: pass 1 (`code_states_mma`) keeps per-tile softmax states only; pass 2 (`code_scores_mma`)
 // computes the same logits again (the same instructions, so the same bits) and writes the score, max over the group
-// of the softmax. Two reads of the codes (2 x (M + 2) bytes per token) cost less than writing and reading fp32
-// logits per query head (2 x 4G bytes per token).
+// of the softmax. The second read of the codes ((M + 2) bytes per token) moves about what fp32 logits per query
+// head would (written and read again, 8G bytes per token: 34 against 32 at D = 128, G = 4), so the two designs
+// move about the same bytes; the gain is in the work per code.
 //
 // Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
 
@@ -313,7 +314,8 @@ __device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, 
         const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
         const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
 #pragma unroll 4
-        for (int n = n0 + threadIdx.x; n < n1; n += MMA_THREADS) norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
+        for (int n = n0 + threadIdx.x; n < n1; n += MMA_THREADS)
+            norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
     }
 
     // B fragments: column gid = query head gid of the group (zeros beyond G), dims 4c..4c+3 of code c = tq*KT + kt.
