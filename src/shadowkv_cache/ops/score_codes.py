@@ -177,31 +177,13 @@ def code_scores(
     part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=query.device)
-    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    i32 = ctypes.c_int
+    inputs = _input_args(rotated, codes, norms, selectable, grid, scaling, dim)
     load_kernels("score_codes", query.device).launch(
         f"code_logits_p{p}_g{group}",
         grid=(tiles, heads, batch),
         block=(_THREADS, 1, 1),
-        args=[
-            logits,
-            part_max,
-            part_sum,
-            rotated,
-            codes,
-            (codes.stride(0), i64),
-            norms,
-            (norms.stride(0), i64),
-            selectable,
-            (selectable.stride(0), i64),
-            (selectable.stride(1), i64),
-            grid,
-            (float(scaling), ctypes.c_float),
-            (math.sqrt(dim), ctypes.c_float),
-            (heads, i32),
-            (num, i32),
-            (m, i32),
-            (_TILE, i32),
-        ],
+        args=[logits, part_max, part_sum, *inputs, (heads, i32), (num, i32), (m, i32), (_TILE, i32)],
     )
     load_kernels("softmax_group_max", query.device).launch(
         "softmax_group_max",
@@ -229,8 +211,32 @@ def _code_scores_mma(
     part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=rotated.device)
     part_sum = torch.empty_like(part_max)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=rotated.device)
-    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    i32 = ctypes.c_int
     common = [
+        *_input_args(rotated, codes, norms, selectable, grid, scaling, dim),
+        (heads, i32),
+        (group, i32),
+        (num, i32),
+    ]
+    kernels = load_kernels("score_codes", rotated.device)
+    launch = {"grid": (tiles, heads, batch), "block": (_MMA_THREADS, 1, 1)}
+    kernels.launch(f"code_states_mma_k{m // 4}", args=[part_max, part_sum, *common], **launch)
+    kernels.launch(f"code_scores_mma_k{m // 4}", args=[scores, part_max, part_sum, *common], **launch)
+    return scores
+
+
+def _input_args(
+    rotated: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    grid: torch.Tensor,
+    scaling: float,
+    dim: int,
+) -> list:
+    """The launch arguments every scoring kernel takes in this order, from the rotated queries to `sqrt(D)`."""
+    i64 = ctypes.c_longlong
+    return [
         rotated,
         codes,
         (codes.stride(0), i64),
@@ -242,12 +248,4 @@ def _code_scores_mma(
         grid,
         (float(scaling), ctypes.c_float),
         (math.sqrt(dim), ctypes.c_float),
-        (heads, i32),
-        (group, i32),
-        (num, i32),
     ]
-    kernels = load_kernels("score_codes", rotated.device)
-    launch = {"grid": (tiles, heads, batch), "block": (_MMA_THREADS, 1, 1)}
-    kernels.launch(f"code_states_mma_k{m // 4}", args=[part_max, part_sum, *common], **launch)
-    kernels.launch(f"code_scores_mma_k{m // 4}", args=[scores, part_max, part_sum, *common], **launch)
-    return scores
