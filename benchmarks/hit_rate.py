@@ -81,23 +81,36 @@ def measure(model, ids: torch.Tensor, steps: int, **overrides) -> dict:
     }
 
 
+def add_text_run_options(parser: argparse.ArgumentParser) -> None:
+    """`--budgets`, `--device`, `--dtype` and `--results-dir`, shared by the scripts that decode natural text (this
+    one and `prefetch_study.py`; each adds its own `--model`, `--lengths` and `--steps`)."""
+    parser.add_argument("--budgets", nargs="+", default=["default"], help="'default', tokens, or a share in (0, 1)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_results_dir_option(parser)
+
+
+def model_and_text(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """The model of `args.model` in `args.dtype` on `args.device`, natural text ids `[1, max(args.lengths)]` there, and
+    the run's environment record (with the model's name)."""
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    model, tokenizer = load_model(args.model, getattr(torch, dtype), args.device)
+    text = natural_text_ids(tokenizer, max(args.lengths)).to(args.device)
+    env = environment(args.device, dtype)
+    env["model"] = args.model
+    return model, text, env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="gemma3")
     parser.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
-    parser.add_argument("--budgets", nargs="+", default=["default"], help="'default', tokens, or a share in (0, 1)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--steps", type=int, default=128, help="greedy decode steps per length")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    add_results_dir_option(parser)
+    add_text_run_options(parser)
     args = parser.parse_args()
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    model, tokenizer = load_model(args.model, getattr(torch, dtype), args.device)
-    text = natural_text_ids(tokenizer, max(args.lengths)).to(args.device)
+    model, text, env = model_and_text(args)
     rows = []
-    env = environment(args.device, dtype)
-    env["model"] = args.model
     env["mode"] = args.mode
     columns = ["series", "prompt_tokens", "steps", "rank", "budget", "outlier_chunks", "compressed_layers", "hit_rate"]
     columns += ["steady_hit_rate", "device_ratio", "prefill_s", "decode_ms_per_step"]

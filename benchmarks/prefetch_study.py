@@ -36,11 +36,10 @@ import sys
 import torch
 
 from benchmarks.accuracy_core import cache_kwarg
-from benchmarks.accuracy_runner import MODELS, load_model
-from benchmarks.hit_rate import budget_option
-from benchmarks.results_io import add_results_dir_option, environment, write_results
+from benchmarks.accuracy_runner import MODELS
+from benchmarks.hit_rate import add_text_run_options, budget_option, model_and_text
+from benchmarks.results_io import write_results
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.fidelity import natural_text_ids
 
 
 class LayerInputs:
@@ -146,16 +145,9 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--steps", type=int, default=64, help="greedy decode steps per length")
-    parser.add_argument("--budgets", nargs="+", default=["default"], help="'default', tokens, or a share in (0, 1)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    add_results_dir_option(parser)
+    add_text_run_options(parser)
     args = parser.parse_args()
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    model, tokenizer = load_model(args.model, getattr(torch, dtype), args.device)
-    text = natural_text_ids(tokenizer, max(args.lengths)).to(args.device)
-    env = environment(args.device, dtype)
-    env["model"] = args.model
+    model, text, env = model_and_text(args)
     rows = []
     columns = ["series", "prompt_tokens", "steps", "budget", "layers", "hit_rate", "spec_recall", "miss_coverage"]
     columns += ["wasted", "matches_cache"]
