@@ -1,11 +1,16 @@
-"""Where a decode step spends its time: torch.profiler over a few steps of a synthetic cache.
+"""Where a decode step spends its time: step times by batch and graph mode, then torch.profiler over a few steps.
 
 ShadowKV mode: every row reads one shared pinned row of values (each row still fetches its own misses over
 PCIe), so large batches need no large pinned allocation. YAKV mode (`--mode yakv`): each row has its own pinned
 records, as in `throughput.py` (4.4 GiB per row at 128K). In both modes the selection keeps a share `--h` of the
 previous step's chunks or tokens (`ControlledHitRate`). `throughput.py` is the benchmark of record.
 
-python -m benchmarks.profile_decode --context 131072 --batch 8 --h 0.6 [--no-graphs] [--value-format fp8]
+`--graphs` compares how the one-token step runs, in one run: `step` (the default: the whole step, model layers
+included, replayed as one CUDA graph, hf/step_graph.py), `layer` (each layer's attention step as its own graph, the
+model's own kernels launched eagerly) and `none` (everything eager). With `--name` the step times are recorded (JSON,
+Markdown, plot) with the profiler's top kernels of the last configuration.
+
+python -m benchmarks.profile_decode --context 131072 --batch 1,8,32 --graphs step,layer --name decode_graphs_128k
 python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv --h 0.55
 """
 
@@ -17,9 +22,33 @@ import time
 
 import torch
 
-from benchmarks.speed import PAPER_SETTINGS, build_model, decode, log
+from benchmarks.results_io import add_results_dir_option, environment, write_results
+from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, log
 from shadowkv_cache import ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
+
+GRAPH_MODES = ("step", "layer", "none")
+
+
+def make_cache(model, args, batch: int, graphs: str, device: torch.device):
+    """A synthetic cache of `batch` rows at `args.context` tokens whose one-token steps run as `graphs` says."""
+    config = ShadowKVConfig(
+        min_compress_len=1024 if args.small else 4096,
+        cuda_graphs=graphs != "none",
+        value_format=args.value_format,
+        **PAPER_SETTINGS,
+    )
+    if args.mode == "yakv":
+        config = dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
+        blocks = None
+        if device.type == "cuda":
+            row = layer_sizes(model, config, args.context).host_bytes_per_row
+            blocks = pinned_blocks(model.config.num_hidden_layers, row * batch)
+        cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, host_blocks=blocks)
+    else:
+        cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, share_stored_row=True)
+    cache.step_graphs.enabled = graphs == "step"
+    return cache
 
 
 def main() -> None:
@@ -28,40 +57,47 @@ def main() -> None:
     p.add_argument("--batch", default="8", help="comma-separated; the last one is profiled")
     p.add_argument("--h", type=float, default=0.6)
     p.add_argument("--small", action="store_true")
-    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    p.add_argument("--graphs", default="step", help=f"comma-separated of {GRAPH_MODES}; the last one is profiled")
+    p.add_argument("--no-graphs", action="store_true", help="the same as --graphs none")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--value-format", default="native")
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
+    p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
+    add_results_dir_option(p)
     args = p.parse_args()
+    modes = ["none"] if args.no_graphs else args.graphs.split(",")
+    if set(modes) - set(GRAPH_MODES):
+        p.error(f"--graphs takes {GRAPH_MODES}, got {args.graphs}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
-    config = ShadowKVConfig(
-        min_compress_len=1024 if args.small else 4096,
-        cuda_graphs=not args.no_graphs,
-        value_format=args.value_format,
-        **PAPER_SETTINGS,
-    )
-    if args.mode == "yakv":
-        config = dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
+    rows = []
     for batch in [int(b) for b in str(args.batch).split(",")]:
-        if args.mode == "yakv":
-            blocks = None
-            if device.type == "cuda":
-                row = layer_sizes(model, config, args.context).host_bytes_per_row
-                blocks = pinned_blocks(model.config.num_hidden_layers, row * batch)
-            cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, host_blocks=blocks)
-        else:
-            cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, share_stored_row=True)
-        step = decode(model, cache, batch, 4, args.steps, device)
-        hit = cache.memory_report().hit_rate
-        log(
-            f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
-            f"mode {args.mode}, h {hit if hit is None else round(hit, 2)}, graphs {not args.no_graphs}, "
-            f"values {args.value_format if args.mode == 'shadowkv' else 'higgs4 k+v'}"
-        )
-    if args.no_profile:
-        return
+        for graphs in modes:
+            cache = None  # the previous configuration's memory back first
+            free(device)
+            cache = make_cache(model, args, batch, graphs, device)
+            step = decode(model, cache, batch, 4, args.steps, device)
+            hit = cache.memory_report().hit_rate
+            values = args.value_format if args.mode == "shadowkv" else "higgs4 k+v"
+            rows.append(dict(context=args.context, batch=batch, mode=args.mode, values=values, graphs=graphs,
+                             h=None if hit is None else round(hit, 3), step_ms=round(step * 1e3, 2),
+                             tok_s=round(batch / step, 1), replays=cache.step_graphs.replays))  # fmt: skip
+            log(f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
+                f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}")  # fmt: skip
+    kernels = [] if args.no_profile else profile(model, cache, batch, device)
+    if args.name:
+        env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
+        title = f"Decode step by graph mode, {args.mode}, context {args.context} (synthetic cache, h={args.h})"
+        plot = {"x": "batch", "y": "step_ms", "series": "graphs", "ylabel": "ms per step"}
+        columns = ["context", "batch", "mode", "values", "graphs", "h", "step_ms", "tok_s", "replays"]
+        notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, 3 steps) "
+                 "are in the JSON (`kernels`).") if kernels else ""  # fmt: skip
+        write_results(args.name, title, env, rows, columns, plot, notes, extra={"kernels": kernels})
+
+
+def profile(model, cache, batch: int, device: torch.device) -> list[dict]:
+    """torch.profiler over 3 steps; prints the tables and returns the top kernels by CUDA time (ms per step)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
     )
@@ -69,9 +105,13 @@ def main() -> None:
         t = time.perf_counter()
         decode(model, cache, batch, 0, 3, device)
         log(f"profiled 3 steps in {(time.perf_counter() - t) * 1e3:.0f} ms")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
-    if device.type == "cuda":
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=40))
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+    if device.type != "cuda":
+        return []
+    print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=40))
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    return [dict(name=e.key, calls=e.count, ms_per_step=round(e.self_device_time_total / 1e3 / 3, 3)) for e in top]
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ __all__ = [
     "assert_every_token_reachable_once",
     "assert_left_padded_rows_reachable",
     "assert_logits_close",
+    "decoded_in_graphs",
     "dynamic_cache",
     "forward_with",
     "full_budget_overrides",
@@ -258,6 +259,16 @@ def forward_with(model: torch.nn.Module, ids: torch.Tensor, cache, **kwargs):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         return model(ids, past_key_values=cache, use_cache=True, **kwargs)
+
+
+def decoded_in_graphs(cache) -> bool:
+    """Whether `cache`'s one-token steps ran as CUDA graphs: the whole step replayed (hf/step_graph.py), or, where the
+    whole step cannot be captured (sliding-window layers, a model split over devices), every compressed layer's own
+    step captured."""
+    if cache.step_graphs.replays > 0:
+        return True
+    compressed = [layer for layer in cache.layers if layer.is_compressed]
+    return bool(compressed) and all(layer._graph is not None for layer in compressed)
 
 
 def assert_logits_close(actual, expected, rtol: float = 1e-4, atol: float = 1e-5) -> None:

@@ -8,6 +8,7 @@ from helpers import (
     ARCHS,
     GEMMA3,
     assert_logits_close,
+    decoded_in_graphs,
     dynamic_cache,
     full_budget_overrides,
     generate_with,
@@ -16,6 +17,7 @@ from helpers import (
     random_prompt,
     small_budget_overrides,
 )
+from transformers.generation.streamers import BaseStreamer
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
@@ -86,8 +88,8 @@ def test_graphed_decode_equals_eager_decode(cuda_model):
     """300 new tokens: the token buffer grows past its first capacity (256), so the graphs are captured again."""
     ids = random_prompt(301).cuda()
     (eager, eager_cache), (graphed, graphed_cache) = _eager_and_graphed(cuda_model, ids, max_new_tokens=300).values()
-    assert all(layer._graph is not None for layer in graphed_cache.layers)
-    assert all(layer._graph is None for layer in eager_cache.layers)
+    assert decoded_in_graphs(graphed_cache) and graphed_cache.step_graphs.replays > 250  # the whole step, in graphs
+    assert not decoded_in_graphs(eager_cache)
     assert torch.equal(graphed.sequences, eager.sequences)
     assert_logits_close(graphed.logits, eager.logits, atol=1e-5)
     # The device-side hit counters are updated by the replays too.
@@ -112,6 +114,91 @@ def test_graphed_decode_across_chat_turns(cuda_model):
         results[graphs] = turn2
     assert torch.equal(results[True].sequences, results[False].sequences)
     assert_logits_close(results[True].logits, results[False].logits, atol=1e-5)
+
+
+class _Collect(BaseStreamer):
+    """A streamer that keeps what `generate` streams (any batch size)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def put(self, value):
+        self.seen.append(value.clone().cpu())
+
+    def end(self):
+        pass
+
+
+def test_whole_step_graph_keeps_generate_features(cuda_model):
+    """The whole one-token step replayed as one graph serves `generate` as the eager step does: a left-padded batch,
+    sampling, a streamer and stopping criteria (an end token that finishes rows at different steps); the outputs of
+    earlier steps are not overwritten by later replays."""
+    rows = [random_prompt(300, seed=11)[0], random_prompt(260, seed=12)[0], random_prompt(290, seed=13)[0]]
+    ids, mask = (t.cuda() for t in left_pad(rows))
+    plain_cache = ShadowKVCache(cuda_model, cuda_graphs=False, **small_budget_overrides())
+    plain = generate_with(cuda_model, ids, plain_cache, attention_mask=mask, max_new_tokens=40)
+    eos = int(plain.sequences[0, ids.shape[1] + 20])  # row 0 stops there (if not before), the others if they meet it
+    runs = {}
+    for graphs in (False, True):
+        cache = ShadowKVCache(cuda_model, cuda_graphs=graphs, **small_budget_overrides())
+        streamer = _Collect()
+        torch.manual_seed(0)
+        sampled = generate_with(
+            cuda_model, ids, cache, attention_mask=mask, max_new_tokens=40, do_sample=True, top_k=4, streamer=streamer
+        )
+        fresh = ShadowKVCache(cuda_model, cuda_graphs=graphs, **small_budget_overrides())
+        stopped = generate_with(
+            cuda_model, ids, fresh, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, pad_token_id=0
+        )
+        runs[graphs] = (sampled, torch.cat(streamer.seen[1:], dim=-1), stopped, cache)
+    (sampled, streamed, stopped, _), (g_sampled, g_streamed, g_stopped, g_cache) = runs[False], runs[True]
+    assert g_cache.step_graphs.replays >= 30
+    assert torch.equal(g_sampled.sequences, sampled.sequences)
+    assert_logits_close(g_sampled.logits, sampled.logits, atol=1e-5)
+    assert torch.equal(g_streamed.reshape(-1), g_sampled.sequences[:, ids.shape[1] :].T.reshape(-1).cpu())
+    assert torch.equal(g_streamed, streamed)
+    assert torch.equal(g_stopped.sequences, stopped.sequences)
+    assert (stopped.sequences[0, ids.shape[1] + 21 :] == 0).all()  # row 0 ended at its end token, then padding
+    assert_logits_close(g_stopped.logits, stopped.logits, atol=1e-5)
+
+
+def test_whole_step_graph_outputs_stay_valid_in_raw_forwards(cuda_model):
+    """Raw forwards (not `generate`): each call's logits are the caller's own (cloned out of the graph), and the
+    graph is captured at the second step of a key and replayed from the third."""
+    ids = random_prompt(301, seed=14).cuda()
+    caches = {g: ShadowKVCache(cuda_model, cuda_graphs=g, **small_budget_overrides()) for g in (False, True)}
+    logits = {}
+    with torch.no_grad():
+        for graphs, cache in caches.items():
+            out = cuda_model(ids, past_key_values=cache, use_cache=True)
+            token, steps = out.logits[:, -1:].argmax(-1), []
+            for _ in range(12):
+                steps.append(
+                    cuda_model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                )
+                token = steps[-1][:, -1:].argmax(-1)
+            logits[graphs] = torch.cat(steps, dim=1)
+    assert caches[True].step_graphs.replays == 12 - 3  # growth, first step of the key, capture
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_whole_step_graph_matches_eager(smollm2_cuda):
+    """SmolLM2 in bf16 on a 4K natural-text prompt: the graphed steps give the eager steps' tokens."""
+    model, tokenizer = smollm2_cuda
+    model = model.to(torch.bfloat16)
+    try:
+        ids = natural_text_ids(tokenizer, 4096).cuda()
+        runs = {}
+        for graphs in (False, True):
+            cache = ShadowKVCache(model, cuda_graphs=graphs)
+            runs[graphs] = (generate_with(model, ids, cache, max_new_tokens=48), cache)
+        (eager, _), (graphed, cache) = runs[False], runs[True]
+        assert cache.step_graphs.replays >= 40
+        assert torch.equal(graphed.sequences, eager.sequences)
+        torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(eager.logits), rtol=2e-2, atol=5e-2)
+    finally:
+        model.to(torch.float32)
 
 
 @pytest.mark.slow

@@ -420,10 +420,11 @@ def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget
     for document in (ids, random_prompt(prompt, seed=5).to(CUDA)):
         graphed.reset()
         eager.reset()
+        replays = graphed.step_graphs.replays
         got = generate_with(model, document, graphed, max_new_tokens=24, num_beams=beams)
         want = generate_with(model, document, eager, max_new_tokens=24, num_beams=beams)
-        if beams == 1:  # beam search ends on a reorder, which drops the graphs
-            assert all(layer._graph is not None for layer in graphed.layers if layer.is_compressed)
+        if beams == 1:  # beam search reorders rows at every step, which moves the tensors: those steps run eagerly
+            assert graphed.step_graphs.replays - replays >= 20
         assert torch.equal(got.sequences, want.sequences)
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
         assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate

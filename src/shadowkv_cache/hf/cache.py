@@ -30,6 +30,7 @@ from .layer import CompressedLayer
 from .prefill import prefill as prefill_document
 from .sliding_layer import SlidingLayer
 from .state import CacheState, CheckedUpdates
+from .step_graph import StepGraphs
 
 __all__ = ["ShadowKVCache"]
 
@@ -128,6 +129,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
         super().__init__(layers=layers)
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
         self._state = CacheState(model, adapter.attention)  # bound to this model, one thread at a time, roll-back
+        # The patched forward runs the model's calls through it: a one-token step replays as one CUDA graph.
+        self.step_graphs = StepGraphs(self._graphs, self._state)
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
         self._prefix_checked = False
         self._prefilled: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, P] ids and mask of prefill_batch
@@ -138,6 +141,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
 
     def reset(self) -> None:
         super().reset()
+        self.step_graphs.reset()
         self._prefix_ids, self._prefix_checked, self._prefilled = None, False, None
         self._state.broken = None  # a cache marked broken is usable again once empty
 
@@ -304,6 +308,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         forked = copy.copy(self)
         forked._state = state
         forked._graphs = GraphSwitch(self._graphs.enabled)
+        forked.step_graphs = StepGraphs(forked._graphs, state)
         forked.layers = [layer.fork(batch_size, forked._graphs) for layer in self.layers]
         forked._prefix_checked, forked._prefilled = False, None
         return forked
@@ -327,15 +332,10 @@ class ShadowKVCache(CheckedUpdates, Cache):
         """Device and host bytes per layer, per device and in total, the ratio to `DynamicCache`, and the hit rate."""
         per_layer, hits, lookups = [], 0, 0
         for i, layer in enumerate(self.layers):
-            device, host, full = layer.nbytes()
-            if isinstance(layer, CompressedLayer):
-                mode = layer.mode.name if layer.is_compressed else "exact"
-                rank, budget = layer.mode.sizes() if layer.is_compressed else (None, None)
-            else:
-                mode, rank, budget = "sliding", None, None
+            mode, rank, budget = layer.kind()
             where = str(layer.keys.device) if layer.is_initialized else None
-            per_layer.append(LayerMemory(i, mode, device, host, full, rank, budget, where))
-            counts = layer.hit_counts() if isinstance(layer, CompressedLayer) else None
+            per_layer.append(LayerMemory(i, mode, *layer.nbytes(), rank, budget, where))
+            counts = layer.hit_counts()
             if counts is not None:
                 hits, lookups = hits + counts[0], lookups + counts[1]
         return MemoryReport(tuple(per_layer), hits / lookups if lookups else None)

@@ -13,14 +13,16 @@ captures again.
 
 from __future__ import annotations
 
+import gc
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from ..notices import logger
 
-__all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none"]
+__all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none", "capture_stream", "collector_paused", "graph_pool"]
 
 _LAST: dict[int, weakref.ref] = {}
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -30,18 +32,30 @@ class GraphSwitch:
     """Whether the layers of one cache may capture their decode steps: on until a capture fails, then off for that
     cache (and the caches forked from it later), so a setup that cannot be captured is not retried at every layer.
 
+    `per_layer` is cleared by the whole-step graph (hf/step_graph.py) for the eager steps that precede its own
+    capture: each layer capturing its step there would only be replaced one step later.
+
     Args:
         enabled (`bool`, *optional*, defaults to True): the starting state.
     """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self._per_layer = True
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether a layer may capture its own one-token step now."""
+        return self.enabled and self._per_layer
 
     def disable(self) -> None:
         self.enabled = False
 
+    def set_per_layer(self, allowed: bool) -> None:
+        self._per_layer = allowed
 
-def _pool(device: torch.device) -> tuple:
+
+def graph_pool(device: torch.device) -> tuple:
     """The memory pool of the newest live graph on `device`, or a new one.
 
     Graphs replay one after another on one stream, so their temporaries can share memory (a pool per layer
@@ -54,7 +68,21 @@ def _pool(device: torch.device) -> tuple:
     return graph.graph.pool() if graph is not None else torch.cuda.graph_pool_handle()
 
 
-def _capture_stream(index: int) -> torch.cuda.Stream:
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off for a capture: a collection inside it may destroy the graph of an
+    unreachable object (a dropped cache), a call CUDA refuses while the thread captures, which invalidates the
+    capture and leaves PyTorch's CUDA generator in capture mode for the rest of the process."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def capture_stream(index: int) -> torch.cuda.Stream:
     """One capture stream per device. `torch.cuda.graph`'s default is one stream for the whole process, made on the
     device current at the first capture: a layer on another GPU (a split model, design.md §11) would launch its work
     on its own device's streams, outside the capture."""
@@ -81,9 +109,13 @@ class DecodeGraph:
         # The query's device is made current: the capture, its pool and the kernels' contexts are that device's.
         # "thread_local": the capture does not forbid what other threads do (a data loader, a tokenizer).
         with (
+            collector_paused(),
             torch.cuda.device(index),
             torch.cuda.graph(
-                self.graph, pool=_pool(query.device), stream=_capture_stream(index), capture_error_mode="thread_local"
+                self.graph,
+                pool=graph_pool(query.device),
+                stream=capture_stream(index),
+                capture_error_mode="thread_local",
             ),
         ):
             self.output = step(self.query)

@@ -43,6 +43,10 @@ class LayerMode(Protocol):
     def select_rows(self, index: torch.Tensor) -> None: ...
     def graph_key(self) -> tuple: ...
     def attend(self, query, scaling, query_mask, new_tokens: Part, terms: LogitTerms = NO_TERMS) -> torch.Tensor: ...
+    def kind(self) -> tuple[str, int | None, int | None]:
+        """How the layer holds its tokens, for `memory_report`: (mode name or "exact", rank, budget)."""
+        return ("exact", None, None) if self.prompt is None else (self.mode.name, *self.mode.sizes())
+
     def hit_counts(self) -> tuple[int, int] | None: ...
     def reset_hit_counts(self) -> None: ...
     def sizes(self) -> tuple[int | None, int]: ...
@@ -257,15 +261,13 @@ class CompressedLayer(DynamicLayer):
             if real is not None:
                 self.new.mark(real)
             return self._attend(query, attention_mask, scaling, terms)
-        if not (
-            self.mode.graph_safe
-            and self.graphs.enabled
-            and self.config.cuda_graphs
-            and query.is_cuda
-            and kernels_available(query.device)
-        ):
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or not (self.graph_safe and self.graphs.per_layer):
+            # A whole-step graph (hf/step_graph.py) holds this step or is about to: the layer's own graph is freed,
+            # but before that capture (a graph destroyed inside a capture invalidates it).
+            self._graph = self._graph if capturing else None
             return self._attend(query, None, scaling, terms)
-        key = (query.shape, query.dtype, scaling, terms.key(), *self.mode.graph_key(), self.new.keys.data_ptr())
+        key = (query.shape, query.dtype, scaling, terms.key(), *self.step_graph_key())
         if self._graph is None or self._graph.key != key:
             self._graph = None
             if not self._graph_ready:  # the first step runs eagerly: it loads kernels and makes workspaces
@@ -276,6 +278,28 @@ class CompressedLayer(DynamicLayer):
                 self.graphs.disable()
                 return self._attend(query, None, scaling, terms)
         return self._graph(query)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether this layer's one-token step may be captured now (compressed, never waits for the host, on CUDA)."""
+        return (
+            self.prompt is not None
+            and self.mode.graph_safe
+            and self.graphs.enabled
+            and self.config.cuda_graphs
+            and self.new.keys.is_cuda
+            and kernels_available(self.new.keys.device)
+        )
+
+    def step_graph_key(self) -> tuple:
+        """What a captured one-token step of this layer depends on besides the query: the mode's state and the token
+        buffer's addresses (they change when rows are reordered, the prompt is replaced or the buffer grows)."""
+        return (*self.mode.graph_key(), self.new.keys.data_ptr(), self.new.cursor.data_ptr())
+
+    def replayed_step(self, steps: int = 1) -> None:
+        """`update`'s host side, for a step a replayed whole-step graph ran (hf/step_graph.py)."""
+        self.new.advance(steps)
+        self.keys, self.values = self.new.held()
 
     def _attend(
         self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, terms: LogitTerms
@@ -300,6 +324,10 @@ class CompressedLayer(DynamicLayer):
         return new.keys, new.values, valid
 
     # -- accounting ---------------------------------------------------------------------------------------
+
+    def kind(self) -> tuple[str, int | None, int | None]:
+        """How the layer holds its tokens, for `memory_report`: (mode name or "exact", rank, budget)."""
+        return ("exact", None, None) if self.prompt is None else (self.mode.name, *self.mode.sizes())
 
     def hit_counts(self) -> tuple[int, int] | None:
         """(selected units found on the device, units selected) so far, where the mode keeps such a cache."""

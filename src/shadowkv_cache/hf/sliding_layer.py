@@ -61,6 +61,14 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             layer.set_window(self.keys.expand(shape), self.values.expand(shape), self.cumulative_length)
         return layer
 
+    def kind(self) -> tuple[str, None, None]:
+        """How the layer holds its tokens, for `memory_report` (as `CompressedLayer.kind`)."""
+        return "sliding", None, None
+
+    def hit_counts(self) -> None:
+        """No selection, so no hits (as `CompressedLayer.hit_counts`)."""
+        return None
+
     def nbytes(self) -> tuple[int, int, int]:
         """(device bytes, host bytes, bytes a `DynamicCache` would hold): the same window in both caches, but rows
         that share a document's window (`fork`) hold it once on the device."""

@@ -107,7 +107,19 @@ class CacheUse(InstanceWrapper):
 
 
 class ModelForward(CacheUse):
+    """The model's forward: a call that gets a `ShadowKVCache` runs inside its use scope, through the cache's
+    `step_graphs` (which replay a one-token decode step as one CUDA graph where they can, hf/step_graph.py)."""
+
     name = "forward"
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        scope, graphs = getattr(cache, "use_scope", None), getattr(cache, "step_graphs", None)
+        if scope is None or graphs is None:
+            return super().__call__(*args, **kwargs)
+        owner = self._owner()
+        with scope(owner):
+            return graphs.run(cache, owner, self.__wrapped__, args, kwargs)
 
 
 class Generate(CacheUse):

@@ -6,6 +6,10 @@ Generated tokens (and new chat turns) are appended in place rather than concaten
 decode step reads keep their addresses from step to step: the step can then be captured once as a CUDA
 graph and replayed, and no step copies the tokens already held. Slots past the length, and pads of
 left-padded multi-token steps, are marked invalid, so attention may read the whole buffer.
+
+Where the next tokens go is also kept on the device (`cursor`), and appends write there: a whole decode step
+captured as one graph (hf/step_graph.py) holds the append, and its replays must each write one slot further. The
+host's `length` is the same number; a replayed step moves it on with `advance`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ _MIN_CAPACITY = 256
 
 
 class TokenBuffer:
-    """Keys and values `[B, Hkv, P, D]` and validity `[B, P]` of the tokens after the prompt; `length` = G.
+    """Keys and values `[B, Hkv, P, D]` and validity `[B, P]` of the tokens after the prompt; `length` = G, and
+    `cursor` (`[1]` int64 on the device) holds G too.
 
     Args:
         keys, values (`torch.Tensor`): `[B, Hkv, G, D]` the tokens held so far (any strides, e.g. the
@@ -31,6 +36,7 @@ class TokenBuffer:
         self.length = held
         valid = torch.ones((keys.shape[0], held), dtype=torch.bool, device=keys.device)
         self._place(keys, values, valid, max(held, capacity))
+        self.cursor = torch.full((1,), held, dtype=torch.int64, device=keys.device)
 
     @property
     def capacity(self) -> int:
@@ -44,17 +50,30 @@ class TokenBuffer:
         """Views `[B, Hkv, G, D]` of the keys and values held (what the cache API reports)."""
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def fits(self, steps: int) -> bool:
+        """Whether `steps` more tokens fit without growing (moving) the buffers."""
+        return self.length + steps <= self.capacity
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Write `[B, Hkv, T, D]` after the held tokens, as valid; returns True when the buffers moved (grown)."""
+        """Write `[B, Hkv, T, D]` after the held tokens, as valid; returns True when the buffers moved (grown).
+
+        The slots written are read from `cursor` on the device, not from the host's `length`, so that a captured
+        append writes where each replay has got to."""
         start, steps = self.length, keys.shape[2]
-        moved = start + steps > self.capacity
+        moved = not self.fits(steps)
         if moved:
             self._grow(max(_MIN_CAPACITY, 2 * self.capacity, start + steps))
-        self.keys[:, :, start : start + steps] = keys
-        self.values[:, :, start : start + steps] = values
-        self.valid[:, start : start + steps] = True
+        slots = self.cursor if steps == 1 else self.cursor + torch.arange(steps, device=self.cursor.device)
+        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+        self.values.index_copy_(2, slots, values.to(self.values.dtype))
+        self.valid.index_fill_(1, slots, True)
+        self.cursor.add_(steps)
         self.length = start + steps
         return moved
+
+    def advance(self, steps: int) -> None:
+        """Count `steps` tokens that a replayed graph appended on the device (it moved `cursor`, not `length`)."""
+        self.length += steps
 
     def mark(self, real: torch.Tensor) -> None:
         """Record which of the last step's `T` tokens are real (`[B or 1, T]` bool); pads are never attended."""
@@ -65,12 +84,14 @@ class TokenBuffer:
         """Keep the first `length` tokens; the rest become invalid free slots."""
         self.valid[:, length:] = False
         self.length = min(self.length, length)
+        self.cursor.fill_(self.length)
 
     def select_rows(self, index: torch.Tensor) -> TokenBuffer:
         """A buffer holding rows `index` (`[B']`) of this one (copied)."""
         out = TokenBuffer.__new__(TokenBuffer)
         out.length = self.length
         out.keys, out.values, out.valid = self.keys[index], self.values[index], self.valid[index]
+        out.cursor = self.cursor.clone()
         return out
 
     def _grow(self, capacity: int) -> None:
