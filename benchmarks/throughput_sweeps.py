@@ -269,7 +269,9 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
     forwards on a like cache, for DynamicCache (if it fits) and ShadowKV at `--h-sweep` (the first value format).
     A generate step adds what a user pays on top of the forward: logits processing, stopping criteria, the
     attention mask and cache-position bookkeeping, and the host synchronisation of the stopping check. Each timing
-    takes a fresh cache; a generate step is (time of warm + steps tokens - time of warm tokens) / steps."""
+    takes a fresh cache; a generate step is the mean time between the tokens of the last `steps` steps of one
+    `generate` call (a streamer notes when each step's tokens are out; `generate` waits for each step's tokens for
+    its stopping check, so these are the steps' wall times), after `warm` steps that include any capture."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
     batch = args.generate_batch
     fmt_config = dataclasses.replace(run.config, value_format=args.value_formats.split(",")[0])
@@ -288,13 +290,11 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
 
             try:
                 forward = decode(model, fresh_cache(), batch, args.warm, args.steps, device)
-                warm = _generate_seconds(model, fresh_cache(), batch, length, args.warm, device)
-                total = _generate_seconds(model, fresh_cache(), batch, length, args.warm + args.steps, device)
+                step = _generate_step_seconds(model, fresh_cache(), batch, length, args.warm, args.steps, device)
             except torch.OutOfMemoryError:
                 log(f"generate {length} {method} batch {batch}: out of GPU memory")
                 free(device)
                 continue
-            step = (total - warm) / args.steps
             value_format = fmt_config.value_format if method == "shadowkv" else None
             run.rec.add(dict(context=length, method=method, value_format=value_format, fill="synthetic, generate",
                              batch=batch, h_target=args.h_sweep if method == "shadowkv" else None, tok_s=batch / step,
@@ -303,14 +303,27 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
             free(device)
 
 
-def _generate_seconds(model, cache, batch: int, length: int, new_tokens: int, device: torch.device) -> float:
-    """Wall time of `model.generate` producing `new_tokens` greedy tokens after a cache that holds `length` tokens."""
+class _StepTimes:
+    """A streamer that notes the host time at which each step's tokens come out of `generate`."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate_step_seconds(model, cache, batch: int, length: int, warm: int, steps: int, device) -> float:
+    """Mean seconds per step of the last `steps` of `warm + steps` greedy `generate` steps after a cache that holds
+    `length` tokens (the first `put` is the prompt, then one per step)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=device)
     mask = torch.ones_like(ids)
+    times = _StepTimes()
     with torch.no_grad():
-        sync(device)
-        start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
-        sync(device)
-    return time.perf_counter() - start
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=warm + steps,
+                       min_new_tokens=warm + steps, do_sample=False, pad_token_id=0, streamer=times)  # fmt: skip
+    sync(device)
+    return (times.times[-1] - times.times[-1 - steps]) / steps

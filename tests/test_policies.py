@@ -272,3 +272,18 @@ def test_probe_counting_kept_units_covers_the_outliers():
     generate_with(model, prompt, ShadowKVCache(model, policy=full, **full_budget_overrides()), 3)
     recall, _, units = full.totals()
     assert recall == pytest.approx(units, rel=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("chunks", [37, 40])
+def test_landmark_logits_both_ways_agree(shared, chunks):
+    """The product with padded query rows (what CUDA takes when C is not a multiple of 8) is the einsum's."""
+    from shadowkv_cache.policies.landmark_topk import landmark_logits
+
+    gen = torch.Generator().manual_seed(chunks)
+    q = torch.randn(3, 2, 4, 1, 16, generator=gen)
+    landmarks = torch.randn(1 if shared else 3, 2, chunks, 16, generator=gen)
+    want = landmark_logits(q, landmarks, pad_rows=False)
+    got = landmark_logits(q, landmarks, pad_rows=True)
+    assert got.shape == want.shape == (3, 2, 4, 1, chunks) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
