@@ -231,29 +231,32 @@ def scoring_state(rows: int, heads: int, num: int, quantizer: HiggsQuantizer) ->
     return packed.codes, packed.norms
 
 
+SCORE_CASES = [  # (batch, kv_heads, group, num, dim, grid_dim)
+    (2, 8, 4, 16381, 128, 4),
+    (3, 3, 3, 700, 64, 4),
+    (1, 2, 8, 5000, 256, 4),
+    (2, 2, 1, 37, 128, 4),
+    (1, 1, 7, 4100, 128, 4),
+    (1, 2, 8, 5000, 128, 2),
+    (2, 2, 5, 513, 128, 8),
+    (4, 2, 1, 37, 64, 2),
+    (1, 1, 4, 3000, 256, 2),
+    (2, 4, 2, 1031, 64, 8),
+]
+
+
 @pytest.mark.parametrize(
-    "batch, kv_heads, group, num, dim, grid_dim",
-    [
-        (2, 8, 4, 16381, 128, 4),
-        (3, 3, 3, 700, 64, 4),
-        (1, 2, 8, 5000, 256, 4),
-        (2, 2, 1, 37, 128, 4),
-        (1, 1, 7, 4100, 128, 4),
-        (1, 2, 8, 5000, 128, 2),
-        (2, 2, 5, 513, 128, 8),
-        (4, 2, 1, 37, 64, 2),
-        (1, 1, 4, 3000, 256, 2),
-        (2, 4, 2, 1031, 64, 8),
-    ],
+    "batch, kv_heads, group, num, dim, grid_dim, tensor_cores",
+    # The tensor-core kernels take grid dim 4 only; the fp32 kernel takes every case.
+    [(*case, cores) for case in SCORE_CASES for cores in (True, False) if not cores or case[-1] == 4],
 )
-@pytest.mark.parametrize("tensor_cores", [True, False])
 def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_dim, tensor_cores, monkeypatch):
     """Softmax over tokens of the code logits, max over the group, from the tensor-core kernels (grid dim 4, sm_80+:
     checked to be the path that ran) and the fp32 kernel. They sum the dot products in another order than the twin's
     table and use `__expf`: ~1e-5 relative, well inside 1e-3."""
-    mma = tensor_cores and grid_dim == 4 and torch.cuda.get_device_capability(CUDA) >= (8, 0)
+    mma = tensor_cores and torch.cuda.get_device_capability(CUDA) >= (8, 0)
     if tensor_cores and not mma:
-        pytest.skip("the tensor-core kernels take grid dim 4 on sm_80+; the fp32 case covers the rest")
+        pytest.skip("the tensor-core kernels need sm_80 or later")
     calls = spy_on_tensor_cores(monkeypatch)
     torch.manual_seed(0)
     quantizer = HiggsQuantizer(dim, grid_dim)

@@ -168,7 +168,7 @@ def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs:
     if len(placed) > 1 or placed & {"cpu", "disk", "meta"}:
         return None
     ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
         return None
     inputs = {}
     for name, value in kwargs.items():

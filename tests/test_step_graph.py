@@ -1,0 +1,124 @@
+"""What the whole-step CUDA graph (hf/step_graph.py) decides on the host, and the token buffer's device cursor it
+relies on. The capture and replay themselves run on CUDA (tests/test_gpu.py)."""
+
+import pytest
+import torch
+from helpers import forward_with, make_tiny_model, random_prompt, small_budget_overrides
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.hf.step_graph import _cloned, _step_inputs, _step_key
+from shadowkv_cache.stores.token_buffer import TokenBuffer
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def prefilled():
+    model = make_tiny_model("llama")
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    forward_with(model, random_prompt(301), cache)
+    return model, cache
+
+
+def _call(**changes):
+    ids = torch.tensor([[5]])
+    return {"input_ids": ids, "attention_mask": torch.ones(1, 302, dtype=torch.long), "use_cache": True, **changes}
+
+
+def test_a_one_token_step_is_served_with_positions_filled_in_and_the_mask_left_out(prefilled):
+    model, cache = prefilled
+    with torch.no_grad():
+        inputs = _step_inputs(cache, model, model.forward, (), _call(past_key_values=cache, logits_to_keep=1))
+    assert inputs is not None and "attention_mask" not in inputs
+    assert inputs["past_key_values"] is cache and inputs["logits_to_keep"] == 1
+    # The model would read the cache's length on the host; a capture would freeze it, so the graph takes it as input.
+    assert inputs["position_ids"].tolist() == [[cache.get_seq_length()]]
+
+
+@pytest.mark.parametrize(
+    "why, changes, grad",
+    [
+        ("several tokens", {"input_ids": torch.tensor([[5, 6]])}, False),
+        ("autograd on", {}, True),
+        ("attentions asked for", {"output_attentions": True}, False),
+        ("hidden states asked for", {"output_hidden_states": True}, False),
+        ("no cache", {"use_cache": False}, False),
+        ("embeddings given", {"inputs_embeds": torch.zeros(1, 1, 64)}, False),
+    ],
+)
+def test_calls_a_graph_cannot_serve_run_as_called(prefilled, why, changes, grad):
+    model, cache = prefilled
+    with torch.set_grad_enabled(grad):
+        assert _step_inputs(cache, model, model.forward, (), _call(past_key_values=cache, **changes)) is None, why
+
+
+def test_a_model_placed_by_accelerate_on_several_devices_runs_as_called(prefilled):
+    model, cache = prefilled
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cpu"}
+    try:
+        with torch.no_grad():
+            assert _step_inputs(cache, model, model.forward, (), _call(past_key_values=cache)) is None
+    finally:
+        del model.hf_device_map
+
+
+def test_layers_off_cuda_give_no_key_and_decode_as_before(prefilled):
+    """On the CPU no layer is graph-safe: every step runs eagerly, and the cache counts no replay."""
+    model, cache = prefilled
+    with torch.no_grad():
+        inputs = _step_inputs(cache, model, model.forward, (), _call(past_key_values=cache))
+    assert _step_key(cache, inputs) is None
+    fresh = ShadowKVCache(model, **small_budget_overrides())
+    forward_with(model, random_prompt(301), fresh)
+    with torch.no_grad():
+        for token in (5, 6, 7):
+            model(input_ids=torch.tensor([[token]]), past_key_values=fresh, use_cache=True)
+    assert fresh.step_graphs.replays == 0 and fresh.get_seq_length() == 304
+
+
+def test_outputs_are_copied_out_of_the_graph_but_the_cache_is_not():
+    logits = torch.randn(2, 1, 7)
+    cache = object()
+    out = _cloned(CausalLMOutputWithPast(logits=logits, past_key_values=cache))
+    assert type(out) is CausalLMOutputWithPast and out.past_key_values is cache
+    assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+    pair = _cloned((logits, cache))
+    assert pair[1] is cache and pair[0].data_ptr() != logits.data_ptr()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "crop", "rows", "advance"]), st.integers(1, 3)), max_size=12))
+def test_token_buffer_cursor_follows_its_length(operations):
+    """Every operation keeps the device cursor at the host length, and appends land where the cursor was: the same
+    tokens as concatenating them, whether the buffer grew or not. `advance` stands for a replayed append (the graph
+    wrote the token and moved the cursor on the device)."""
+    gen = torch.Generator().manual_seed(len(operations))
+    buffer = TokenBuffer(torch.randn(2, 1, 3, 4, generator=gen), torch.randn(2, 1, 3, 4, generator=gen))
+    keys = [buffer.keys[:, :, :3].clone()]
+    for name, n in operations:
+        if name == "append":
+            new = torch.randn(2, 1, n, 4, generator=gen)
+            buffer.append(new, new * 2)
+            keys.append(new)
+        elif name == "crop":
+            held = torch.cat(keys, dim=2)[:, :, : max(0, buffer.length - n)]
+            buffer.crop(held.shape[2])
+            keys = [held]
+        elif name == "rows":
+            buffer = buffer.select_rows(torch.tensor([1, 0]))
+            keys = [torch.cat(keys, dim=2)[[1, 0]]]
+        elif buffer.fits(1):  # a replayed one-token step: the graph's append, then the host's count
+            new = torch.randn(2, 1, 1, 4, generator=gen)
+            buffer.keys[:, :, buffer.length] = new[:, :, 0]
+            buffer.valid[:, buffer.length] = True
+            buffer.cursor += 1
+            buffer.advance(1)
+            keys.append(new)
+        assert int(buffer.cursor) == buffer.length
+    held_keys, held_values = buffer.held()
+    torch.testing.assert_close(held_keys, torch.cat(keys, dim=2))
+    assert buffer.valid[:, : buffer.length].all() and not buffer.valid[:, buffer.length :].any()
+    assert held_values.shape == held_keys.shape
