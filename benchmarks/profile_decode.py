@@ -110,9 +110,10 @@ def profile(model, cache, batch: int, device: torch.device) -> list[dict]:
     if device.type != "cuda":
         return []
     print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=40))
-    on_device = [e for e in events if e.self_device_time_total > 0]
+    # Kernels only: an operator's own row also carries the device time of the kernels it launched (eager modes).
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
     total_ms = sum(e.self_device_time_total for e in on_device) / 1e3 / 3
-    launches = sum(e.count for e in on_device if e.device_type == torch.autograd.DeviceType.CUDA) / 3
+    launches = sum(e.count for e in on_device) / 3
     log(f"GPU time {total_ms:.2f} ms per step over ~{launches:.0f} device events per step")
     top = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:30]
     rows = [dict(name=e.key, calls_per_step=e.count / 3, ms_per_step=round(e.self_device_time_total / 1e3 / 3, 3))

@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny model and contexts (checks the script on CPU)")
     p.add_argument("--contexts", default=None, help="comma-separated context lengths")
     p.add_argument("--batches", default="1,2,4,6,8,12,16,24,32,48,64")
-    p.add_argument("--warm", type=int, default=8)
+    p.add_argument("--warm", type=int, default=8, help="untimed steps (>= 3: the CUDA-graph capture is the third)")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--h-sweep", type=float, default=0.6, help="hit rate of the ShadowKV batch sweep")
     p.add_argument("--yakv-h", type=float, default=YAKV_H, help="hit rate of the YAKV batch sweep (tokens)")

@@ -249,7 +249,9 @@ def test_failed_capture_falls_back_to_eager_and_leaves_cuda_usable(cuda_model, m
     cache = ShadowKVCache(cuda_model, **small_budget_overrides())
     with caplog.at_level(logging.WARNING, logger="shadowkv_cache"):
         got = generate_with(cuda_model, ids, cache)
-    assert sum("could not capture" in r.getMessage() for r in caplog.records) == 1  # once per cache
+    # Once per cache and kind: the whole step's capture fails first, then each layer's (the same injected error).
+    messages = [r.getMessage() for r in caplog.records if "could not capture" in r.getMessage()]
+    assert len(messages) == 2 and "whole decode step" in messages[0] and "whole" not in messages[1]
     assert not cache._graphs.enabled
     assert all(layer._graph is None for layer in cache.layers)
     assert torch.equal(got.sequences, eager.sequences)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.hf.step_graph import _cloned, _step_inputs, _step_key
+from shadowkv_cache.hf.decode_graph import collector_paused
+from shadowkv_cache.hf.step_graph import _cloned, _step_inputs, _step_key, _without
 from shadowkv_cache.stores.token_buffer import TokenBuffer
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -122,3 +123,48 @@ def test_token_buffer_cursor_follows_its_length(operations):
     torch.testing.assert_close(held_keys, torch.cat(keys, dim=2))
     assert buffer.valid[:, : buffer.length].all() and not buffer.valid[:, buffer.length :].any()
     assert held_values.shape == held_keys.shape
+
+
+def test_the_graph_keeps_no_reference_to_the_cache_it_serves():
+    """A captured output without the cache (put back at each replay): a cache holding a graph that holds the cache
+    would be freed by the cyclic collector only, with its GPU and pinned memory."""
+    cache = object()
+    logits = torch.randn(1, 1, 5)
+    stripped, where = _without(CausalLMOutputWithPast(logits=logits, past_key_values=cache), cache)
+    assert where in ("cache", "past_key_values")  # the field's name in Transformers 5.24 / before
+    assert all(value is not cache for value in stripped.values()) and torch.equal(stripped.logits, logits)
+    stripped, where = _without((logits, cache), cache)
+    assert where == 1 and stripped[1] is None
+    assert _without(logits, cache) == (logits, None)
+
+
+def test_a_failed_call_drops_the_whole_step_graph(prefilled):
+    """A call that raises puts the layers back; a graph captured on their later state must not survive it."""
+    model, cache = prefilled
+    cache.step_graphs._last_key, cache.step_graphs.graph = ("a key",), object()
+    with pytest.raises(TypeError), torch.no_grad():  # fails inside the model, after the layers were checkpointed
+        model(input_ids=torch.tensor([[5, 6]]), past_key_values=cache, use_cache=True, position_ids="not a tensor")
+    assert cache.step_graphs.graph is None and cache.step_graphs._last_key is None
+
+
+def test_the_collector_stays_off_until_the_last_capture_in_progress_ends():
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    entered, release = threading.Event(), threading.Event()
+
+    def other_capture():
+        with collector_paused():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other_capture)
+    thread.start()
+    entered.wait(10)
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread still captures
+    release.set()
+    thread.join()
+    assert gc.isenabled()

@@ -14,6 +14,7 @@ captures again.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -68,18 +69,28 @@ def graph_pool(device: torch.device) -> tuple:
     return graph.graph.pool() if graph is not None else torch.cuda.graph_pool_handle()
 
 
+_PAUSES = threading.Lock()
+_paused = [0, False]  # captures in progress (any thread), whether the collector was on before the first
+
+
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off for a capture: a collection inside it may destroy the graph of an
     unreachable object (a dropped cache), a call CUDA refuses while the thread captures, which invalidates the
-    capture and leaves PyTorch's CUDA generator in capture mode for the rest of the process."""
-    enabled = gc.isenabled()
-    gc.disable()
+    capture and leaves PyTorch's CUDA generator in capture mode for the rest of the process. Counted across threads:
+    the collector comes back when the last capture in progress ends."""
+    with _PAUSES:
+        if _paused[0] == 0:
+            _paused[1] = gc.isenabled()
+            gc.disable()
+        _paused[0] += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _PAUSES:
+            _paused[0] -= 1
+            if _paused[0] == 0 and _paused[1]:
+                gc.enable()
 
 
 def capture_stream(index: int) -> torch.cuda.Stream:

@@ -43,10 +43,6 @@ class LayerMode(Protocol):
     def select_rows(self, index: torch.Tensor) -> None: ...
     def graph_key(self) -> tuple: ...
     def attend(self, query, scaling, query_mask, new_tokens: Part, terms: LogitTerms = NO_TERMS) -> torch.Tensor: ...
-    def kind(self) -> tuple[str, int | None, int | None]:
-        """How the layer holds its tokens, for `memory_report`: (mode name or "exact", rank, budget)."""
-        return ("exact", None, None) if self.prompt is None else (self.mode.name, *self.mode.sizes())
-
     def hit_counts(self) -> tuple[int, int] | None: ...
     def reset_hit_counts(self) -> None: ...
     def sizes(self) -> tuple[int | None, int]: ...
@@ -294,7 +290,8 @@ class CompressedLayer(DynamicLayer):
     def step_graph_key(self) -> tuple:
         """What a captured one-token step of this layer depends on besides the query: the mode's state and the token
         buffer's addresses (they change when rows are reordered, the prompt is replaced or the buffer grows)."""
-        return (*self.mode.graph_key(), self.new.keys.data_ptr(), self.new.cursor.data_ptr())
+        new = self.new
+        return (*self.mode.graph_key(), new.capacity, new.keys.data_ptr(), new.values.data_ptr(), new.cursor.data_ptr())
 
     def replayed_step(self, steps: int = 1) -> None:
         """`update`'s host side, for a step a replayed whole-step graph ran (hf/step_graph.py)."""

@@ -165,6 +165,7 @@ class CacheState:
     def roll_back(self, cache: Any, saved: tuple, error: BaseException | None) -> None:
         """Put `cache` back to `saved` after a failed call; if that fails too, mark it broken until `reset()`."""
         layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled = saved
+        cache.step_graphs.reset()  # its graph was captured on layer state that is gone now
         try:
             cache.layers = layers
             for layer, state in zip(layers, states):

@@ -28,6 +28,7 @@ before the capture, logs one warning, and switches graphs off for that cache; th
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 from collections.abc import Callable, Hashable, Mapping
@@ -64,7 +65,7 @@ class StepGraph:
         # The objects the key names by id and address stay alive with the graph, so no new object can take their
         # ids or memory while it may be replayed.
         cache = next(inputs[name] for name in _CACHE_NAMES if name in inputs)
-        self._holds = [(dict(vars(layer.mode)), layer.new) for layer in cache.layers]
+        self._holds = [(dict(vars(layer.mode)), dict(vars(layer.new))) for layer in cache.layers]
         self.graph = torch.cuda.CUDAGraph()
         index = device.index if device.index is not None else torch.cuda.current_device()
         # Graphs of dropped caches are destroyed now rather than by a collection inside the capture.
@@ -80,16 +81,29 @@ class StepGraph:
                 capture_error_mode="thread_local",
             ),
         ):
-            self.output = forward(**self.inputs)
+            output = forward(**self.inputs)
+        # Neither the inputs nor the output keep the cache: the cache holds this graph, and a reference back would
+        # leave a dropped cache (its GPU and pinned memory) to Python's cyclic collector.
+        self.inputs = {name: value for name, value in self.inputs.items() if name in _TENSOR_INPUTS}
+        self.output, self._cache_at = _without(output, cache)
 
     def __call__(self, inputs: Mapping[str, Any]) -> Any:
         """Replay with `inputs` (same shapes as captured); returns the model's output with its tensors cloned."""
-        for name in _TENSOR_INPUTS:
-            if name in self.inputs:
-                self.inputs[name].copy_(inputs[name])
+        for name, tensor in self.inputs.items():
+            tensor.copy_(inputs[name])
         with torch.cuda.device(self.device):
             self.graph.replay()
-        return _cloned(self.output)
+        return self.output_with(next(inputs[name] for name in _CACHE_NAMES if name in inputs))
+
+    def output_with(self, cache: Any) -> Any:
+        """The output of the last replay (tensors cloned), holding `cache` where the model's output did."""
+        output = _cloned(self.output)
+        if self._cache_at is None:
+            return output
+        if isinstance(output, tuple):
+            return (*output[: self._cache_at], cache, *output[self._cache_at + 1 :])
+        output[self._cache_at] = cache
+        return output
 
 
 class StepGraphs:
@@ -115,6 +129,8 @@ class StepGraphs:
         inputs = _step_inputs(cache, model, forward, args, kwargs) if self.enabled else None
         key = None if inputs is None else _step_key(cache, inputs)
         if key is None:  # layers may capture their own steps here, so the next capture follows an eager step again
+            if inputs is not None:  # a one-token step the layers cannot serve now (buffer full, state dropped)
+                self.graph = None
             self._last_key = None
             self.graphs.set_per_layer(True)
             return forward(*args, **kwargs)
@@ -142,11 +158,12 @@ class StepGraphs:
             graph = StepGraph(forward, inputs, key)
         except RuntimeError as err:
             self.state.roll_back(cache, saved, err)
-            self.graphs.disable()
+            # The model's own code may be what cannot be captured: each layer's step still may be.
+            self.enabled = False
             self.graphs.set_per_layer(True)
             logger.warning(
-                "ShadowKV could not capture the model's decode step as a CUDA graph (%s); this cache decodes eagerly "
-                "from now on. Pass cuda_graphs=False to skip the attempt.",
+                "ShadowKV could not capture the model's whole decode step as one CUDA graph (%s); this cache replays "
+                "each layer's attention step as a graph instead. Pass cuda_graphs=False to skip the attempt.",
                 err,
             )
             return eager()
@@ -154,7 +171,7 @@ class StepGraphs:
         # The capture ran the step's host side (each layer counted its token) but no kernel: the replay does them.
         with torch.cuda.device(graph.device):
             graph.graph.replay()
-        return _cloned(graph.output)
+        return graph.output_with(cache)
 
 
 def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
@@ -213,9 +230,29 @@ def _step_key(cache: Any, inputs: dict[str, Any]) -> Hashable | None:
 
 def _parameters(forward: Callable) -> Mapping[str, inspect.Parameter]:
     try:
-        return inspect.signature(forward).parameters
+        return _signature(getattr(forward, "__func__", forward)).parameters
     except (TypeError, ValueError):
         return {}
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _without(output: Any, cache: Any) -> tuple[Any, Any]:
+    """`output` with `cache` taken out (None in its place), and where it was (a key, an index, or None)."""
+    if isinstance(output, Mapping):
+        where = next((name for name, value in output.items() if value is cache), None)
+        if where is not None:
+            output = type(output)(**{name: value for name, value in output.items() if name != where})
+        return output, where
+    if isinstance(output, tuple):
+        where = next((i for i, value in enumerate(output) if value is cache), None)
+        if where is not None:
+            output = (*output[:where], None, *output[where + 1 :])
+        return output, where
+    return output, None
 
 
 def _cloned(output: Any) -> Any:
