@@ -10,7 +10,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.hf.decode_graph import collector_paused
-from shadowkv_cache.hf.step_graph import _cloned, _step_inputs, _step_key, _without
+from shadowkv_cache.hf.step_graph import StepGraph, _cloned, _step_inputs, _step_key, _without
 from shadowkv_cache.stores.token_buffer import TokenBuffer
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -136,6 +136,13 @@ def test_the_graph_keeps_no_reference_to_the_cache_it_serves():
     stripped, where = _without((logits, cache), cache)
     assert where == 1 and stripped[1] is None
     assert _without(logits, cache) == (logits, None)
+    # What a replay returns: the stored output, copied, with the cache of the call put back where it was.
+    for output in (CausalLMOutputWithPast(logits=logits, past_key_values=cache), (logits, cache)):
+        graph = StepGraph.__new__(StepGraph)
+        graph.output, graph._cache_at = _without(output, cache)
+        got = graph.output_with(cache)
+        assert type(got) is type(output) and got[1 if isinstance(got, tuple) else graph._cache_at] is cache
+        assert torch.equal(got[0], logits) and got[0].data_ptr() != logits.data_ptr()
 
 
 def test_a_failed_call_drops_the_whole_step_graph(prefilled):
@@ -168,3 +175,30 @@ def test_the_collector_stays_off_until_the_last_capture_in_progress_ends():
     release.set()
     thread.join()
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    "model_type, fields, capturable",
+    [
+        ("llama", {}, True),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, True),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, False),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, False),
+        ("mixtral", {}, False),
+        ("qwen3_moe", {}, False),
+        ("gpt_oss", {}, False),
+        ("gemma3_text", {}, True),
+    ],
+)
+def test_models_whose_forward_synchronises_are_not_captured_whole(model_type, fields, capturable):
+    """Mixture-of-experts routing and position-dependent RoPE tables read tensors on the host at every step."""
+    from types import SimpleNamespace
+
+    from transformers import CONFIG_MAPPING
+
+    from shadowkv_cache.hf.step_graph import capturable_model
+
+    config = CONFIG_MAPPING[model_type]()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    assert capturable_model(SimpleNamespace(config=config)) == capturable

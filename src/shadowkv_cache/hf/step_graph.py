@@ -40,7 +40,7 @@ from ..notices import logger
 from .decode_graph import GraphSwitch, capture_stream, collector_paused
 from .state import CacheState
 
-__all__ = ["StepGraph", "StepGraphs"]
+__all__ = ["StepGraph", "StepGraphs", "capturable_model"]
 
 # Inputs the graph copies in. Others must be absent, None, False or plain values (part of the key).
 _TENSOR_INPUTS = ("input_ids", "position_ids", "cache_position")
@@ -182,7 +182,7 @@ def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs:
     # accelerate's hooks move weights or activations between devices inside the forward (a split or offloaded model,
     # design.md §11): such a step stays eager around each layer's own graph.
     placed = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(placed) > 1 or placed & {"cpu", "disk", "meta"}:
+    if len(placed) > 1 or placed & {"cpu", "disk", "meta"} or not capturable_model(model):
         return None
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
@@ -208,6 +208,26 @@ def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs:
     if "cache_position" not in inputs and "cache_position" in _parameters(forward):
         inputs["cache_position"] = torch.full((1,), length, dtype=torch.int64, device=ids.device)
     return inputs
+
+
+# Config fields that count a mixture-of-experts layer's experts, and RoPE types whose tables depend on the positions.
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_POSITION_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def capturable_model(model: Any) -> bool:
+    """Whether the model's own forward may be captured: not when its code synchronises with the host at each step.
+    Mixture-of-experts layers route tokens with host-sized index lists (`nonzero`, `tolist`), and dynamic-NTK and
+    LongRoPE compare the positions with their table's length on the host. A capture that a synchronisation breaks
+    cannot end cleanly, and leaves PyTorch's CUDA generator unusable for sampling, so such models are not tried:
+    each compressed layer still replays its own step."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if config is None or any(isinstance(n, int) and n > 1 for n in (getattr(config, f, None) for f in _EXPERT_COUNTS)):
+        return config is None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = [rope] if "rope_type" in rope or "type" in rope else [t for t in rope.values() if isinstance(t, dict)]
+    return not {t.get("rope_type", t.get("type")) for t in tables} & _POSITION_DEPENDENT_ROPE
 
 
 def _step_key(cache: Any, inputs: dict[str, Any]) -> Hashable | None:
