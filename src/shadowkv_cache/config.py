@@ -76,9 +76,10 @@ class ShadowKVConfig:
         pin_memory (`bool`, *optional*, defaults to `True`):
             Pin the host value store when the model runs on CUDA (needed for fast, asynchronous fetches).
         cuda_graphs (`bool`, *optional*, defaults to `True`):
-            On CUDA with the kernels, capture each layer's one-token decode step as a CUDA graph after its first
-            eager step and replay it (one launch instead of ~40 per layer and step). Captured again when rows
-            are reordered or the buffer of new tokens grows.
+            On CUDA with the kernels, capture the one-token decode step as a CUDA graph and replay it: the whole
+            model's step when every layer is compressed and on one GPU (one launch per step), otherwise each layer's
+            attention step (one launch instead of ~40 per layer and step). Captured again when rows are reordered
+            or the buffer of new tokens grows (design.md §3).
         value_format (`str`, *optional*, defaults to `"native"`):
             How the offloaded values are stored in host memory: `"native"` in the KV dtype (16 bits per value in
             bf16), `"fp8"` as float8 e4m3 with one bf16 scale per value vector (`8 + 16/D` bits), `"higgs4"`
