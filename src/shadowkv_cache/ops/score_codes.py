@@ -170,15 +170,15 @@ def code_scores(
         return code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
     rotated = quantizer.rotate(query.reshape(batch, heads, group, dim)).contiguous()  # [B, Hkv, G, D] fp32
     grid, _ = quantizer.device_tables(query.device)
+    inputs = _input_args(rotated, codes, norms, selectable, grid, scaling, dim)
     if tensor_cores and _tensor_cores(query.device, p, m, codes):
-        return _code_scores_mma(rotated, codes, norms, selectable, grid, scaling, dim)
+        return _code_scores_mma(inputs, (batch, heads, group, num, m), query.device)
     tiles = -(-num // _TILE)
     logits = torch.empty((batch, heads, group, num), dtype=torch.float32, device=query.device)
     part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=query.device)
     i32 = ctypes.c_int
-    inputs = _input_args(rotated, codes, norms, selectable, grid, scaling, dim)
     load_kernels("score_codes", query.device).launch(
         f"code_logits_p{p}_g{group}",
         grid=(tiles, heads, batch),
@@ -194,31 +194,17 @@ def code_scores(
     return scores
 
 
-def _code_scores_mma(
-    rotated: torch.Tensor,
-    codes: torch.Tensor,
-    norms: torch.Tensor,
-    selectable: torch.Tensor,
-    grid: torch.Tensor,
-    scaling: float,
-    dim: int,
-) -> torch.Tensor:
-    """The tensor-core kernels' scores `[B, Hkv, N]` fp32 for rotated queries `[B, Hkv, G, D]` fp32 (contiguous) and
-    the arguments `code_scores` checked."""
-    batch, heads, group, _ = rotated.shape
-    num, m = codes.shape[2:]
+def _code_scores_mma(inputs: list, shape: tuple[int, int, int, int, int], device: torch.device) -> torch.Tensor:
+    """The tensor-core kernels' scores `[B, Hkv, N]` fp32 from the launch arguments `_input_args` built of what
+    `code_scores` checked; `shape` is `(B, Hkv, G, N, M)`."""
+    batch, heads, group, num, m = shape
     tiles = -(-num // _MMA_TILE)
-    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=rotated.device)
+    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
-    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=rotated.device)
+    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=device)
     i32 = ctypes.c_int
-    common = [
-        *_input_args(rotated, codes, norms, selectable, grid, scaling, dim),
-        (heads, i32),
-        (group, i32),
-        (num, i32),
-    ]
-    kernels = load_kernels("score_codes", rotated.device)
+    common = [*inputs, (heads, i32), (group, i32), (num, i32)]
+    kernels = load_kernels("score_codes", device)
     launch = {"grid": (tiles, heads, batch), "block": (_MMA_THREADS, 1, 1)}
     kernels.launch(f"code_states_mma_k{m // 4}", args=[part_max, part_sum, *common], **launch)
     kernels.launch(f"code_scores_mma_k{m // 4}", args=[scores, part_max, part_sum, *common], **launch)
