@@ -23,7 +23,7 @@ import torch
 
 from ..notices import logger
 
-__all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none", "capture_stream", "collector_paused", "graph_pool"]
+__all__ = ["DecodeGraph", "GraphSwitch", "capture_or_none", "capture_stream", "collector_paused"]
 
 _LAST: dict[int, weakref.ref] = {}
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -56,7 +56,7 @@ class GraphSwitch:
         self._per_layer = allowed
 
 
-def graph_pool(device: torch.device) -> tuple:
+def _pool(device: torch.device) -> tuple:
     """The memory pool of the newest live graph on `device`, or a new one.
 
     Graphs replay one after another on one stream, so their temporaries can share memory (a pool per layer
@@ -124,7 +124,7 @@ class DecodeGraph:
             torch.cuda.device(index),
             torch.cuda.graph(
                 self.graph,
-                pool=graph_pool(query.device),
+                pool=_pool(query.device),
                 stream=capture_stream(index),
                 capture_error_mode="thread_local",
             ),

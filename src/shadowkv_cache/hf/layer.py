@@ -261,7 +261,8 @@ class CompressedLayer(DynamicLayer):
         if capturing or not (self.graph_safe and self.graphs.per_layer):
             # A whole-step graph (hf/step_graph.py) holds this step or is about to: the layer's own graph is freed,
             # but before that capture (a graph destroyed inside a capture invalidates it).
-            self._graph = self._graph if capturing else None
+            if not capturing:
+                self._graph = None
             return self._attend(query, None, scaling, terms)
         key = (query.shape, query.dtype, scaling, terms.key(), *self.step_graph_key())
         if self._graph is None or self._graph.key != key:

@@ -22,8 +22,8 @@ What makes a replay the same as the eager step:
   at every step (beam search) never pays for a capture.
 - The logits are cloned out of the graph's output, so outputs of earlier calls stay valid.
 
-A capture that fails (a model whose forward synchronises with the host, for example) puts every layer back as it was
-before the capture, logs one warning, and switches graphs off for that cache; the step then runs eagerly.
+A capture that fails puts every layer back as it was before the capture, logs one warning, and leaves that cache to
+its per-layer graphs. Models whose forward synchronises with the host at every step are not tried (`capturable_model`).
 """
 
 from __future__ import annotations
