@@ -47,10 +47,10 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
 
     cuBLAS's fast GEMM kernels need every leading dimension 16-byte aligned. The `[..., C]` output of
     `q · landmarksᵀ` is not when C (the selectable chunks: a prompt's chunks less its outliers and local window) is
-    not a multiple of 8, and the GEMM then falls back to a kernel 2.3x slower (an H200 at batch 32, 128K: 0.62
-    against 0.27 ms per layer). So on CUDA such a product is taken the other way round, `landmarks · qᵀ` with the
-    query rows padded with zeros to a multiple of 8, and its `[..., C, rows]` output transposed back. `pad_rows`
-    forces either way (None: that choice).
+    not a multiple of 8, and the GEMM then falls back to a kernel 2.3x slower (an H200 at batch 32, 128K, in
+    `profile_decode.py`: 0.62 against 0.26 ms per layer). So on CUDA such a product is taken the other way round,
+    `landmarks · qᵀ` with the query rows padded with zeros to a multiple of 8, and its `[..., C, rows]` output
+    transposed back. `pad_rows` forces either way (None: that choice).
     """
     batch, heads, group, steps, dim = q.shape
     chunks, shared = landmarks.shape[2], landmarks.shape[0] == 1 and batch > 1
