@@ -165,7 +165,7 @@ def test_a_failed_roll_back_marks_the_cache_broken_until_reset(model, monkeypatc
     cache = ShadowKVCache(model, **small())
     generate_with(model, ids, cache, max_new_tokens=2)
 
-    def cannot(self, saved):
+    def cannot(self, saved, **kwargs):
         raise RuntimeError("cannot restore")
 
     monkeypatch.setattr(CompressedLayer, "restore", cannot)
@@ -185,6 +185,27 @@ def test_a_failed_roll_back_marks_the_cache_broken_until_reset(model, monkeypatc
             use()
     cache.reset()
     assert torch.equal(generate_with(model, ids, cache, max_new_tokens=4).sequences, expected.sequences)
+
+
+def test_a_roll_back_after_a_failed_capture_keeps_the_decode_state(model):
+    """A failed CUDA-graph capture recorded kernels but ran none, so the temporal cache on the device is as it was:
+    the roll-back keeps it (made again, it would hold its chunks in other slots and attention would round differently
+    from a cache that never failed). A failed call that ran on the device drops it, as it may be half refreshed."""
+    ids = random_prompt(PROMPT, seed=9)
+    cache = ShadowKVCache(model, **small())
+    generate_with(model, ids, cache, max_new_tokens=3)
+    held = [layer.mode.temporal for layer in cache.layers]
+    assert all(temporal is not None for temporal in held)
+    before = lengths(cache)
+    saved = cache._state.checkpoint(cache)
+    forward_with(model, ids[:, -1:], cache)
+    cache._state.roll_back(cache, saved, None, ran_on_device=False)
+    assert lengths(cache) == before
+    assert all(layer.mode.temporal is temporal for layer, temporal in zip(cache.layers, held))
+    forward_with(model, ids[:, -1:], cache)
+    cache._state.roll_back(cache, saved, None)
+    assert lengths(cache) == before
+    assert all(layer.mode.temporal is None for layer in cache.layers)
 
 
 # -- 8. the library's own input checks leave a retry possible ---------------------------------------------------

@@ -158,8 +158,9 @@ class CompressedLayer(DynamicLayer):
         """
         return dict(vars(self)), dict(vars(self.mode)), self.new.length if self.new is not None else None
 
-    def restore(self, saved: tuple) -> None:
-        """Go back to a `checkpoint` (after a failed call)."""
+    def restore(self, saved: tuple, ran_on_device: bool = True) -> None:
+        """Go back to a `checkpoint` (after a failed call). `ran_on_device=False`: the call only recorded kernels (a
+        failed capture), so the decode state on the device is as the checkpoint left it and is kept."""
         layer_state, mode_state, length = saved
         vars(self).clear()
         vars(self).update(layer_state)
@@ -168,8 +169,11 @@ class CompressedLayer(DynamicLayer):
         if self.new is not None:
             self.new.crop(length)
             self.keys, self.values = self.new.held()
-        if self.prompt is not None:
-            self.mode.drop_decode_state()  # a step that failed part way may have left the selection half refreshed
+        if self.prompt is not None and ran_on_device:
+            # A step that failed part way may have left the selection half refreshed. Made again, the temporal cache
+            # holds its chunks in other slots, so attention sums in another order: kept when nothing ran, a failed
+            # capture changes no rounding of later steps.
+            self.mode.drop_decode_state()
         self._graph = None
 
     def drop_decode_state(self) -> None:

@@ -35,8 +35,9 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         window's slice) and never writes into them, so references are enough."""
         return dict(vars(self))
 
-    def restore(self, saved: dict) -> None:
-        """Go back to a `checkpoint` (after a failed call)."""
+    def restore(self, saved: dict, ran_on_device: bool = True) -> None:
+        """Go back to a `checkpoint` (after a failed call); a sliding layer keeps no decode state, so `ran_on_device`
+        changes nothing."""
         vars(self).clear()
         vars(self).update(saved)
 

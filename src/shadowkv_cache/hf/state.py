@@ -162,14 +162,16 @@ class CacheState:
         states = [layer.checkpoint() for layer in layers]
         return layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled
 
-    def roll_back(self, cache: Any, saved: tuple, error: BaseException | None) -> None:
-        """Put `cache` back to `saved` after a failed call; if that fails too, mark it broken until `reset()`."""
+    def roll_back(self, cache: Any, saved: tuple, error: BaseException | None, *, ran_on_device: bool = True) -> None:
+        """Put `cache` back to `saved` after a failed call; if that fails too, mark it broken until `reset()`.
+        `ran_on_device=False` (a failed CUDA-graph capture: kernels were recorded, none ran) keeps each layer's decode
+        state, which only the host side of the call touched."""
         layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled = saved
         cache.step_graphs.reset()  # its graph was captured on layer state that is gone now
         try:
             cache.layers = layers
             for layer, state in zip(layers, states):
-                layer.restore(state)
+                layer.restore(state, ran_on_device=ran_on_device)
         except Exception as err:  # noqa: BLE001 - the call's own error goes on; this one is recorded
             self.broken = (
                 f"A call on this ShadowKVCache failed ({type(error).__name__}: {error}) and its state could not be put "

@@ -157,7 +157,7 @@ class StepGraphs:
         try:
             graph = StepGraph(forward, inputs, key)
         except RuntimeError as err:
-            self.state.roll_back(cache, saved, err)
+            self.state.roll_back(cache, saved, err, ran_on_device=False)
             # The model's own code may be what cannot be captured: each layer's step still may be.
             self.enabled = False
             self.graphs.set_per_layer(True)
