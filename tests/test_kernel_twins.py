@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shadowkv_cache.core.attention import NO_TERMS
 from shadowkv_cache.ops import KERNELS
 from shadowkv_cache.ops import loader as kernel_loader
 from shadowkv_cache.ops.gather_values import gather_values
@@ -444,3 +445,34 @@ def test_every_kernel_has_an_op_that_launches_it_and_a_tested_twin(stem):
     source, _ = kernel_loader._sources(stem)
     twin_path = module_name.replace(".", "/") + ".py"
     assert f"Twin: {twin_path}" in source, f"kernels/{stem}.cu does not name its twin's module {twin_path}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(1, 200_000), blocks=st.integers(1, 4096), sms=st.integers(1, 200), tile=st.sampled_from([32, 64])
+)
+def test_attend_parts_splits_cover_every_slot_once(total, blocks, sms, tile):
+    from shadowkv_cache.ops import attend_parts as op
+
+    original = op._multiprocessors
+    op._multiprocessors = lambda index: sms
+    try:
+        splits, span = op._splits(total, blocks, tile, torch.device("cuda", 0))
+    finally:
+        op._multiprocessors = original
+    assert span % tile == 0 and span >= tile
+    assert (splits - 1) * span < total <= splits * span  # every split has slots, and all slots have a split
+    assert splits * blocks <= op._BLOCKS_PER_SM * sms + blocks  # about as many blocks as the GPU wants, not more
+
+
+def test_attend_parts_off_cuda_is_the_twin():
+    from shadowkv_cache.core.attention import attend_parts as definition
+    from shadowkv_cache.ops.attend_parts import _kernel_fits, attend_parts, attend_parts_reference
+
+    assert attend_parts_reference is definition
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 1, 16, generator=g)
+    parts = [(*torch.randn(2, 2, 2, n, 16, generator=g), torch.rand(2, 1, 1, n, generator=g) < 0.8) for n in (8, 20)]
+    parts[-1][2][..., 0] = True
+    assert not _kernel_fits(query, parts, NO_TERMS)
+    assert torch.equal(attend_parts(query, parts, 0.25), definition(query, parts, 0.25))

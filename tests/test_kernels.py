@@ -14,6 +14,7 @@ from helpers import forward_with, make_tiny_model, random_prompt, small_budget_o
 from test_kernel_twins import ROPE_LAYOUTS, random_scan_case
 
 from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
 from shadowkv_cache.ops.loader import kernels_available
@@ -310,3 +311,104 @@ def test_kernel_path_matches_twin_path_end_to_end(arch, value_format, monkeypatc
     twins = generate_with(model, ids, ShadowKVCache(model, **overrides))
     assert torch.equal(with_kernels.sequences, twins.sequences)
     torch.testing.assert_close(torch.stack(with_kernels.logits), torch.stack(twins.logits), rtol=1e-4, atol=1e-4)
+
+
+def random_parts(batch, heads, dim, sizes, dtype, seed, shared=(), per_head=()):
+    """Parts as a compressed layer hands them over: keys and values `[B or 1, Hkv, N_i, D]` (rows of part i in
+    `shared` are one stride-0 copy), validity `[B, 1, 1, N_i]` or per head `[B, Hkv, 1, N_i]` (i in `per_head`).
+    The last part's first slot is valid in every row, as the step's own token is."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for i, n in enumerate(sizes):
+        rows = 1 if i in shared else batch
+        keys, values = torch.randn(2, rows, heads, n, dim, generator=g).to(CUDA, dtype)
+        if i in shared:
+            keys, values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
+        valid = torch.rand(batch, heads if i in per_head else 1, 1, n, generator=g) < 0.7
+        if i == len(sizes) - 1 and n:
+            valid[..., 0] = True
+        parts.append((keys, values, valid.to(CUDA)))
+    return parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "batch, heads, group, dim, sizes",
+    [
+        (1, 1, 1, 128, (1,)),  # one slot
+        (2, 2, 2, 16, (16, 40, 8, 256)),  # the tiny test models' shape
+        (3, 8, 4, 128, (64, 2048, 64, 256)),  # Llama-3.1-8B at ShadowKV's defaults
+        (2, 3, 3, 64, (0, 700, 33, 300)),  # SmolLM2: 3 query heads per KV head; an empty part
+        (1, 4, 8, 256, (63, 65, 129)),  # 8 query heads per KV head, the largest head size
+        (5, 2, 7, 128, (5000, 17)),  # many splits
+    ],
+)
+def test_attend_parts_kernel_matches_twin(dtype, batch, heads, group, dim, sizes):
+    from shadowkv_cache.ops.attend_parts import _kernel_fits, attend_parts, attend_parts_reference
+
+    for seed in range(2):
+        parts = random_parts(batch, heads, dim, sizes, dtype, seed, shared={0}, per_head={1})
+        query = torch.randn(batch, heads * group, 1, dim, generator=torch.Generator().manual_seed(seed)).to(CUDA, dtype)
+        scaling = dim**-0.5
+        # A vector of at most 32 16-byte units: float32 at head size 256 runs the twin.
+        assert _kernel_fits(query, parts, NO_TERMS) == (dim * query.element_size() <= 512)
+        got = attend_parts(query, parts, scaling)
+        # The definition in float32 on the same inputs: the kernel accumulates in float32 and rounds once.
+        ref = attend_parts_reference(query.float(), [(k.float(), v.float(), m) for k, v, m in parts], scaling)
+        assert got.shape == ref.shape == (batch, 1, heads * group, dim) and got.dtype == dtype
+        tol = 2e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_parts_kernel_applies_the_models_logit_terms(dtype):
+    from shadowkv_cache.ops.attend_parts import attend_parts, attend_parts_reference
+
+    batch, heads, group, dim = 2, 2, 4, 64
+    parts = random_parts(batch, heads, dim, (32, 300, 7), dtype, seed=3, per_head={1})
+    query = 3 * torch.randn(batch, heads * group, 1, dim, generator=torch.Generator().manual_seed(3)).to(CUDA, dtype)
+    fp32 = [(k.float(), v.float(), m) for k, v, m in parts]
+    for terms in (
+        LogitTerms(softcap=5.0),
+        LogitTerms(sinks=torch.linspace(-2, 4, heads * group, device=CUDA, dtype=dtype)),
+        LogitTerms(softcap=3.0, sinks=torch.zeros(heads * group, device=CUDA)),
+    ):
+        got = attend_parts(query, parts, 0.125, terms)
+        ref = attend_parts_reference(query.float(), fp32, 0.125, terms)
+        tol = 2e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+def test_attend_parts_kernel_never_reads_invalid_slots():
+    """Invalid slots (empty selection slots, free token-buffer slots) may hold anything: NaN there changes nothing."""
+    from shadowkv_cache.ops.attend_parts import attend_parts
+
+    parts = random_parts(3, 2, 128, (64, 512, 64, 256), torch.bfloat16, seed=5, per_head={1})
+    query = torch.randn(3, 8, 1, 128, device=CUDA, dtype=torch.bfloat16)
+    clean = attend_parts(query, parts, 0.1)
+    poisoned = []
+    for keys, values, valid in parts:
+        keys, values = keys.clone(), values.clone()
+        invalid = ~valid.expand(keys.shape[0], keys.shape[1], 1, -1)[:, :, 0]
+        keys[invalid], values[invalid] = float("nan"), float("nan")
+        poisoned.append((keys, values, valid))
+    assert torch.equal(attend_parts(query, poisoned, 0.1), clean)
+
+
+def test_attend_parts_kernel_in_a_cuda_graph():
+    """Captured once, replayed over new values in the same tensors: the split and merge read nothing from the host."""
+    from shadowkv_cache.ops.attend_parts import attend_parts
+
+    parts = random_parts(2, 8, 128, (64, 1024, 64, 256), torch.bfloat16, seed=6, per_head={1})
+    query = torch.randn(2, 32, 1, 128, device=CUDA, dtype=torch.bfloat16)
+    attend_parts(query, parts, 0.1)  # loads the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_parts(query, parts, 0.1)
+    for seed in range(3):
+        fresh = random_parts(2, 8, 128, (64, 1024, 64, 256), torch.bfloat16, seed=10 + seed, per_head={1})
+        for (k, v, m), (k2, v2, m2) in zip(parts, fresh):
+            k.copy_(k2), v.copy_(v2), m.copy_(m2)
+        query.normal_()
+        graph.replay()
+        assert torch.equal(out, attend_parts(query, parts, 0.1))

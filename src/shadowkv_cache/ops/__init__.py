@@ -11,6 +11,8 @@ __all__ = ["KERNELS", "rebuild_keys"]
 
 # kernel stem -> (op module that launches it, name of its PyTorch twin in that module)
 KERNELS: dict[str, tuple[str, str]] = {
+    # One-token attention over the attended parts in place; the twin concatenates them (core/attention.py).
+    "attend_parts": ("shadowkv_cache.ops.attend_parts", "attend_parts_reference"),
     "gather_dequant": ("shadowkv_cache.ops.gather_dequant", "gather_dequant_reference"),
     "gather_values": ("shadowkv_cache.ops.gather_values", "gather_values_reference"),
     "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),

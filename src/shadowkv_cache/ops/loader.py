@@ -72,13 +72,16 @@ def cubin_for(
     arch: str,
     compile_fn: Callable[[str, str, dict[str, str], Sequence[str]], bytes] | None = None,
     directory: Path | None = None,
+    defines: Sequence[tuple[str, str | int]] = (),
 ) -> bytes:
     """The cubin of `kernels/<stem>.cu` for `arch` (e.g. `"sm_90"`), from the disk cache or compiled.
 
-    `compile_fn(name, source, headers, options) -> cubin` defaults to NVRTC (tests pass a fake).
+    `compile_fn(name, source, headers, options) -> cubin` defaults to NVRTC (tests pass a fake). `defines` are
+    preprocessor macros (`-DNAME=value`) of a source compiled once per specialisation (a dtype, a head size); they are
+    part of the cache key like every option.
     """
     source, headers = _sources(stem)
-    options = (f"--gpu-architecture={arch}", *OPTIONS)
+    options = (f"--gpu-architecture={arch}", *OPTIONS, *[f"-D{name}={value}" for name, value in defines])
     digest = hashlib.sha256()
     for part in (source, *[f"{k}\0{v}" for k, v in headers.items()], *options):
         digest.update(part.encode())
@@ -169,14 +172,14 @@ def _device_arch(device: torch.device) -> str:
 class Kernels:
     """The functions of one compiled source on one device; `launch` runs one on that device's current stream."""
 
-    def __init__(self, stem: str, device: torch.device):
+    def __init__(self, stem: str, device: torch.device, defines: Sequence[tuple[str, str | int]] = ()):
         driver, _ = _cuda_bindings()
         self._driver = driver
         self.stem, self.device = stem, device
         with torch.cuda.device(device):
             torch.cuda.current_stream(device)  # makes PyTorch's primary context current on this thread
             _ensure_context(driver, device)
-            cubin = cubin_for(stem, _device_arch(device))
+            cubin = cubin_for(stem, _device_arch(device), defines=defines)
             self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({stem})")
         self._functions: dict[str, object] = {}
 
@@ -197,13 +200,16 @@ class Kernels:
         name: str,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: Sequence[torch.Tensor | tuple[int | float, type]],
+        args: Sequence[torch.Tensor | tuple[int | float | None, type] | ctypes.Structure],
         shared_bytes: int = 0,
     ) -> None:
-        """Launch `name` on the current stream; `args` are tensors (passed by pointer) or `(value, ctype)`."""
+        """Launch `name` on the current stream; `args` are tensors (passed by pointer), `(value, ctype)`, or ctypes
+        structures (passed by value: their fields must lay out as the kernel's struct)."""
         values = []
         for arg in args:
-            if isinstance(arg, torch.Tensor):
+            if isinstance(arg, ctypes.Structure):
+                values.append(arg)
+            elif isinstance(arg, torch.Tensor):
                 if arg.device != self.device and arg.device.type == "cuda":
                     raise KernelError(f"{self.stem}.{name}: a tensor is on {arg.device}, not {self.device}.")
                 values.append(ctypes.c_void_p(arg.data_ptr()))
@@ -232,20 +238,21 @@ def _ensure_context(driver, device: torch.device) -> None:
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-_LOADED: dict[tuple[str, int], Kernels] = {}
+_LOADED: dict[tuple[str, int, tuple], Kernels] = {}
 _LOCK = threading.Lock()
 _FAILED: dict[str, str] = {}
 
 
-def load_kernels(stem: str, device: torch.device) -> Kernels:
-    """The compiled `kernels/<stem>.cu` on `device` (compiled or read from the disk cache once per process)."""
+def load_kernels(stem: str, device: torch.device, defines: Sequence[tuple[str, str | int]] = ()) -> Kernels:
+    """The compiled `kernels/<stem>.cu` on `device` (compiled or read from the disk cache once per process), with the
+    preprocessor `defines` of a specialised source."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (stem, device.index)
+    key = (stem, device.index, tuple(defines))
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = Kernels(stem, device)
+            _LOADED[key] = Kernels(stem, device, defines)
         return _LOADED[key]
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.attention import NO_TERMS, LogitTerms, Part, attend_parts
+from ..core.attention import NO_TERMS, LogitTerms, Part
+from ..ops.attend_parts import attend_parts
 from ..ops.rebuild_keys import RopeFn
 from ..policies.base import SelectionPolicy
 from .prompt import CompressedPrompt, compress_prompt

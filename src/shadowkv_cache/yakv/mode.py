@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ShadowKVConfig
-from ..core.attention import NO_TERMS, LogitTerms, Part, attend_parts
+from ..core.attention import NO_TERMS, LogitTerms, Part
+from ..ops.attend_parts import attend_parts
 from ..ops.gather_dequant import dequant_records, gather_dequant_missed
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer

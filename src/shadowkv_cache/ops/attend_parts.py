@@ -1,0 +1,158 @@
+"""One-token decode attention over a compressed layer's parts, read where they lie (design.md §3).
+
+Legend: B batch, Hq/Hkv query/KV heads, G = Hq/Hkv, T query tokens, N_i slots of part i, N all slots, D head dim,
+S splits.
+
+The twin (`core.attention.attend_parts`, the definition) concatenates the parts' keys, values and validity, then runs
+PyTorch's attention with that mask: at 128K and batch 32 the copy alone took 5.7 ms of a 69 ms step, and the mask
+rules out the flash kernels, so memory-efficient attention served a one-row query with 64-row tiles. On CUDA
+`kernels/attend_parts.cu` reads each part in place (any strides, rows shared by a document included), serves the
+`G` query heads of a KV head with one read of its keys and values, and splits the slots over blocks; a second kernel
+merges the splits by log-sum-exp. Everything else (several query tokens, other head sizes, more than 8 query heads
+per KV head) runs the twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ..core.attention import NO_TERMS, LogitTerms, Part
+from ..core.attention import attend_parts as attend_parts_reference
+from .loader import kernels_available, load_kernels
+
+__all__ = ["attend_parts", "attend_parts_reference"]
+
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float"}  # C types of common.cuh
+_MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
+_BLOCKS_PER_SM = 8  # splits are chosen so that the grid has about this many blocks per multiprocessor
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("valid", ctypes.c_void_p),
+        *[(name, ctypes.c_longlong) for name in ("kb", "kh", "kn", "vb", "vh", "vn", "mb", "mh", "mn", "n")],
+    ]
+
+
+class _Parts(ctypes.Structure):
+    _fields_ = [("p", _Part * _MAX_PARTS), ("count", ctypes.c_int)]
+
+
+def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: LogitTerms = NO_TERMS) -> torch.Tensor:
+    """Exact attention of `query` `[B, Hq, T, D]` over the concatenation of `parts` (keys and values
+    `[B or 1, Hkv, N_i, D]`, validity broadcastable to `[B, Hkv, T, N_i]`), with the model's `terms`; returns
+    `[B, T, Hq, D]` in the query's dtype, as `core.attention.attend_parts`."""
+    if not _kernel_fits(query, parts, terms):
+        return attend_parts_reference(query, parts, scaling, terms)
+    batch, num_q_heads, _, dim = query.shape
+    heads = parts[0][0].shape[1]
+    group = num_q_heads // heads
+    total = sum(k.shape[2] for k, _, _ in parts)
+    splits, span = _splits(total, batch * heads, _tile(dim * query.element_size()), query.device)
+    described = _Parts(count=len(parts))
+    for i, (keys, values, valid) in enumerate(parts):
+        described.p[i] = _Part(
+            keys.data_ptr(),
+            values.data_ptr(),
+            valid.data_ptr(),
+            *_strides(keys, (0, 1, 2)),
+            *_strides(values, (0, 1, 2)),
+            *_strides(valid, (0, 1, 3)),
+            keys.shape[2],
+        )
+    part_acc = torch.empty((batch, heads, splits, group, dim), dtype=torch.float32, device=query.device)
+    part_ml = torch.empty((batch, heads, splits, group, 2), dtype=torch.float32, device=query.device)
+    out = torch.empty((batch, 1, num_q_heads, dim), dtype=query.dtype, device=query.device)
+    defines = (("ATTEND_T", _KERNEL_DTYPES[query.dtype]), ("ATTEND_G", group), ("ATTEND_D", dim))
+    kernels = load_kernels("attend_parts", query.device, defines)
+    kernels.launch(
+        "attend_split",
+        grid=(splits, heads, batch),
+        block=(_THREADS, 1, 1),
+        args=[
+            query,
+            (query.stride(0), ctypes.c_longlong),
+            (query.stride(1), ctypes.c_longlong),
+            described,
+            (scaling, ctypes.c_float),
+            (terms.softcap or 0.0, ctypes.c_float),
+            (total, ctypes.c_longlong),
+            (span, ctypes.c_longlong),
+            part_acc,
+            part_ml,
+        ],
+    )
+    sinks = None if terms.sinks is None else terms.sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    kernels.launch(
+        "attend_merge",
+        grid=(num_q_heads, batch, 1),
+        block=(_THREADS, 1, 1),
+        args=[part_acc, part_ml, sinks if sinks is not None else (None, ctypes.c_void_p), out, (splits, ctypes.c_int)],
+        shared_bytes=4 * splits,
+    )
+    return out
+
+
+def _kernel_fits(query: torch.Tensor, parts: list[Part], terms: LogitTerms) -> bool:
+    """Whether the kernels serve this call: one CUDA query token, a known dtype everywhere, a head vector of 2, 4, 8,
+    16 or 32 16-byte units (bf16: head size 16 to 256), at most 8 query heads per KV head and 4 parts, 16-byte
+    aligned vectors."""
+    if not (query.is_cuda and query.dim() == 4 and query.shape[2] == 1 and query.dtype in _KERNEL_DTYPES):
+        return False
+    if not parts or len(parts) > _MAX_PARTS or query.stride(3) != 1 or not kernels_available(query.device):
+        return False
+    batch, num_q_heads, _, dim = query.shape
+    heads = parts[0][0].shape[1]
+    vector = dim * query.element_size()
+    if vector % 16 or vector // 16 not in (2, 4, 8, 16, 32):
+        return False
+    if num_q_heads % heads or num_q_heads // heads > _MAX_GROUP or not sum(k.shape[2] for k, _, _ in parts):
+        return False
+    if terms.sinks is not None and terms.sinks.numel() != num_q_heads:
+        return False
+    for keys, values, valid in parts:
+        n = keys.shape[2]
+        for t in (keys, values):
+            if t.dtype != query.dtype or t.device != query.device or t.dim() != 4 or t.stride(3) != 1:
+                return False
+            if t.shape[0] not in (1, batch) or t.shape[1] != heads or t.shape[2] != n or t.shape[3] != dim:
+                return False
+            if any(s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+                return False
+        if valid.dtype != torch.bool or valid.device != query.device or valid.dim() != 4:
+            return False
+        if valid.shape[0] not in (1, batch) or valid.shape[1] not in (1, heads) or valid.shape[2] != 1:
+            return False
+        if valid.shape[3] != n:
+            return False
+    return True
+
+
+def _strides(t: torch.Tensor, dims: tuple[int, int, int]) -> list[int]:
+    """Element strides of `t` over (row, head, slot) dims; 0 where a dim has size 1 (broadcast)."""
+    return [t.stride(d) if t.shape[d] != 1 else 0 for d in dims]
+
+
+def _tile(vector_bytes: int) -> int:
+    """Slots per tile of the split kernel for head vectors of `vector_bytes` (as `TOK` in the kernel)."""
+    return 64 if vector_bytes <= 256 else 32
+
+
+def _splits(total: int, blocks: int, tile: int, device: torch.device) -> tuple[int, int]:
+    """(S, slots per split, a multiple of `tile`): about `_BLOCKS_PER_SM` blocks per multiprocessor, a tile each at
+    least (each block's tiles run one after another, so more splits are more loads in flight)."""
+    tiles = -(-total // tile)
+    wanted = -(-_BLOCKS_PER_SM * _multiprocessors(device.index or 0) // blocks)
+    per_split = -(-tiles // max(1, min(tiles, wanted)))
+    span = per_split * tile
+    return -(-total // span), span
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
