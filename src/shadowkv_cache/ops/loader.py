@@ -241,6 +241,7 @@ def _ensure_context(driver, device: torch.device) -> None:
 _LOADED: dict[tuple[str, int, tuple], Kernels] = {}
 _LOCK = threading.Lock()
 _FAILED: dict[str, str] = {}
+_BINDINGS_FOUND: list[bool] = []  # non-empty once cuda-python was imported
 
 
 def load_kernels(stem: str, device: torch.device, defines: Sequence[tuple[str, str | int]] = ()) -> Kernels:
@@ -263,6 +264,8 @@ def kernels_available(device: torch.device) -> bool:
     """
     if device.type != "cuda" or os.environ.get("SHADOWKV_KERNELS", "1") == "0":
         return False
+    if _BINDINGS_FOUND:  # asked for every layer at every step: the import is checked once
+        return True
     if "cuda-python" in _FAILED:
         return False
     try:
@@ -275,6 +278,7 @@ def kernels_available(device: torch.device) -> bool:
             "%s Falling back to the slower PyTorch path, which synchronises with the host.", err
         )
         return False
+    _BINDINGS_FOUND.append(True)
     return True
 
 
