@@ -476,3 +476,33 @@ def test_attend_parts_off_cuda_is_the_twin():
     parts[-1][2][..., 0] = True
     assert not _kernel_fits(query, parts, NO_TERMS)
     assert torch.equal(attend_parts(query, parts, 0.25), definition(query, parts, 0.25))
+
+
+def test_attend_parts_kernel_declines_what_it_cannot_serve(monkeypatch):
+    """Inputs the kernels would get wrong or cannot launch run the twin: an empty batch (a grid of size 0), a
+    soft-cap of 0 (the kernel reads it as none), several query tokens, a head size of odd 16-byte units."""
+    from shadowkv_cache.core.attention import LogitTerms
+    from shadowkv_cache.ops import attend_parts as op
+
+    monkeypatch.setattr(op, "kernels_available", lambda device: True)
+
+    def case(batch=2, tokens=1, dim=128, heads=2, group=4):
+        query = torch.zeros(batch, heads * group, tokens, dim, dtype=torch.bfloat16)
+        query.is_cuda  # noqa: B018 - a CPU tensor stands in: only shapes, strides and dtypes are checked
+        parts = [
+            (
+                *torch.zeros(2, batch, heads, 64, dim, dtype=torch.bfloat16),
+                torch.ones(batch, 1, 1, 64, dtype=torch.bool),
+            )
+        ]
+        return query, parts
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    query, parts = case()
+    assert op._kernel_fits(query, parts, NO_TERMS)
+    assert op._kernel_fits(query, parts, LogitTerms(softcap=30.0))
+    assert not op._kernel_fits(query, parts, LogitTerms(softcap=0.0))
+    assert not op._kernel_fits(*case(batch=0), NO_TERMS)
+    assert not op._kernel_fits(*case(tokens=2), NO_TERMS)
+    assert not op._kernel_fits(*case(dim=96), NO_TERMS)  # 12 units of 16 bytes
+    assert not op._kernel_fits(*case(group=9), NO_TERMS)

@@ -27,6 +27,7 @@ __all__ = ["attend_parts", "attend_parts_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float"}  # C types of common.cuh
 _MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z sizes (KV heads, rows)
 _BLOCKS_PER_SM = 8  # splits are chosen so that the grid has about this many blocks per multiprocessor
 
 
@@ -46,7 +47,8 @@ class _Parts(ctypes.Structure):
 def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: LogitTerms = NO_TERMS) -> torch.Tensor:
     """Exact attention of `query` `[B, Hq, T, D]` over the concatenation of `parts` (keys and values
     `[B or 1, Hkv, N_i, D]`, validity broadcastable to `[B, Hkv, T, N_i]`), with the model's `terms`; returns
-    `[B, T, Hq, D]` in the query's dtype, as `core.attention.attend_parts`."""
+    `[B, T, Hq, D]` in the query's dtype, as `core.attention.attend_parts`. The kernels never read invalid slots (what
+    they hold does not matter), and a head with no valid slot gets zeros; a decode step always holds its own token."""
     if not _kernel_fits(query, parts, terms):
         return attend_parts_reference(query, parts, scaling, terms)
     batch, num_q_heads, _, dim = query.shape
@@ -114,6 +116,10 @@ def _kernel_fits(query: torch.Tensor, parts: list[Part], terms: LogitTerms) -> b
     if num_q_heads % heads or num_q_heads // heads > _MAX_GROUP or not sum(k.shape[2] for k, _, _ in parts):
         return False
     if terms.sinks is not None and terms.sinks.numel() != num_q_heads:
+        return False
+    if terms.softcap is not None and not terms.softcap > 0:  # the kernel reads 0 as "no capping"
+        return False
+    if not 0 < batch <= _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
         return False
     for keys, values, valid in parts:
         n = keys.shape[2]
