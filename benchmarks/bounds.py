@@ -1,5 +1,9 @@
 """What bytes alone allow a decode step: the full-attention roofline and the ShadowKV and YAKV bounds.
 
+The bounds count what a step must move, not what the code moves: since attention reads the attended parts in place
+(no concatenated copy), the attended set counts once. Results recorded before that change (commit `2e414c1`) hold
+bounds that counted it three times (written by the copy, read back, read by attention).
+
 Legend: B batch, S context tokens, L layers, Hkv KV heads, D head dim, c chunk size, K selected chunks (YAKV:
 tokens) per KV head, h hit rate, E YAKV record bytes.
 
@@ -33,7 +37,10 @@ def shadowkv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[fl
     size = sizes.resolved
     per_head = cfg.num_key_value_heads * cfg.head_dim * 2
     attended = (size.outliers + size.budget_chunks) * config.chunk_size + size.local + 64
-    per_layer = size.num_chunks * per_head + 3 * 2 * attended * per_head  # landmarks + cat write/read + attend
+    missed = size.budget_chunks * config.chunk_size * (1 - h)  # tokens whose keys are rebuilt and values fetched
+    # Landmarks read once, the attended keys and values read once (attention reads the parts in place,
+    # ops/attend_parts.py), and the misses' rebuilt keys and fetched values written into their slots.
+    per_layer = size.num_chunks * per_head + 2 * (attended + missed) * per_head
     hbm = weights + batch * cfg.num_hidden_layers * per_layer
     pcie = (
         batch
@@ -56,6 +63,7 @@ def yakv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float,
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
     scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
     attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
-    hbm = weights + batch * cfg.num_hidden_layers * (scoring + 3 * attended)  # dequant write, cat write/read
+    missed = size.budget_chunks * (1 - h) * hkv * d * 2 * 2  # the records not held, dequantised into their slots
+    hbm = weights + batch * cfg.num_hidden_layers * (scoring + attended + missed)  # attention reads the parts once
     pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * (1 - h) * sizes.record_bytes
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie
