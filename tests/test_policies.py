@@ -287,3 +287,28 @@ def test_landmark_logits_both_ways_agree(shared, chunks):
     got = landmark_logits(q, landmarks, pad_rows=True)
     assert got.shape == want.shape == (3, 2, 4, 1, chunks) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_landmark_scores_are_the_masked_softmax_summed_over_tokens_and_maxed_over_the_group(dtype, steps):
+    """The definition written out (softmax over selectable chunks with -inf elsewhere, NaN of an empty head cleared,
+    sum over the query tokens, max over the GQA group): the same bits on every head with a selectable chunk, and
+    after `masked_scores` the same scores everywhere, heads with nothing selectable included."""
+    from shadowkv_cache.policies.base import grouped_query
+    from shadowkv_cache.policies.landmark_topk import landmark_logits
+
+    gen = torch.Generator().manual_seed(steps)
+    policy = LandmarkTopK()
+    state = policy.prepare(torch.randn(B, HKV, 40, CS, D, generator=gen).to(dtype))
+    query = torch.randn(B, HQ, steps, D, generator=gen).to(dtype)
+    selectable = torch.rand(B, HKV, 40, generator=gen) < 0.6
+    selectable[0, 1] = False  # a head with nothing selectable
+    q = grouped_query(query * SCALING, HKV).to(dtype)
+    logits = landmark_logits(q, state["landmarks"]).masked_fill(~selectable[:, :, None, None, :], float("-inf"))
+    want = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num(0.0).sum(dim=3).amax(dim=2)
+    got = policy.score(query, state, selectable, SCALING)
+    some = selectable.any(-1)
+    assert torch.equal(got[some], want[some])
+    masked = want.masked_fill(~selectable, float("-inf"))
+    assert torch.equal(policy.masked_scores(query, state, selectable, SCALING), masked)

@@ -94,7 +94,7 @@ class SelectionPolicy(ABC):
                     for row in range(query.shape[0])
                 ]
             )
-        return scores.masked_fill(~selectable, float("-inf"))
+        return torch.where(selectable, scores, float("-inf"))
 
     def select_valid(
         self,

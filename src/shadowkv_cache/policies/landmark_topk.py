@@ -36,10 +36,14 @@ class LandmarkTopK(SelectionPolicy):
         # (0.60 ms per layer at batch 32, 128K) beat a fused CUDA kernel that streamed the landmarks once
         # (1.0-1.1 ms), so there is no kernel here.
         logits = landmark_logits(q.to(landmarks.dtype), landmarks)
-        logits = logits.masked_fill(~selectable[:, :, None, None, :], float("-inf"))
-        # A row with nothing selectable has an all -inf softmax (NaN); it selects nothing anyway.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num(0.0)
-        return probs.sum(dim=3).amax(dim=2)  # [B, Hkv, C]
+        # Unselectable chunks take no share of the softmax. The dtype's lowest value gives exp() = 0 as -inf does,
+        # and a head with nothing selectable then gets a uniform softmax rather than NaN, so no pass over the
+        # probabilities has to clear NaNs (the caller masks such heads' scores anyway, `masked_scores`).
+        logits = torch.where(selectable[:, :, None, None, :], logits, torch.finfo(logits.dtype).min)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, Hkv, G, T, C]
+        # A one-token step sums over one query token: a view, not a pass over the probabilities.
+        summed = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.sum(dim=3)
+        return summed.amax(dim=2)  # [B, Hkv, C]
 
 
 def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | None = None) -> torch.Tensor:
