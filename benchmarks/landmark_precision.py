@@ -151,7 +151,7 @@ def main() -> None:
     plot_facets(
         name,
         f"Selection kept and agreement by landmark format ({args.model})",
-        [dict(r, format_index=i) for i, r in enumerate(summary)],
+        summary,
         {"facet": "prompt_tokens", "series": "landmarks", "x": "same_selection", "y": "agreement"},
     )
 
