@@ -162,13 +162,21 @@ def main() -> None:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Means over windows of each (length, setting)."""
+    averaged = ("agreement", "mean_kl", "mean_rank", "device_bytes_per_token", "device_ratio")
+    return means_over_windows(rows, "setting", averaged, carried=("rule",))
+
+
+def means_over_windows(
+    rows: list[dict], by: str, averaged: tuple[str, ...], carried: tuple[str, ...] = ()
+) -> list[dict]:
+    """One row per (prompt length, `rows[by]`): the `averaged` fields' means over its windows, with the group's
+    first `carried` fields and budget (the same in every window)."""
     out = []
-    for key in dict.fromkeys((r["prompt_tokens"], r["setting"]) for r in rows):
-        group = [r for r in rows if (r["prompt_tokens"], r["setting"]) == key]
+    for key in dict.fromkeys((r["prompt_tokens"], r[by]) for r in rows):
+        group = [r for r in rows if (r["prompt_tokens"], r[by]) == key]
         first = group[0]
-        averaged = ("agreement", "mean_kl", "mean_rank", "device_bytes_per_token", "device_ratio")
         mean = {k: round(sum(r[k] for r in group) / len(group), 4) for k in averaged}
-        out.append({"prompt_tokens": key[0], "rule": first["rule"], "setting": key[1], "windows": len(group),
+        out.append({"prompt_tokens": key[0], **{k: first[k] for k in carried}, by: key[1], "windows": len(group),
                     "budget_tokens": first["budget_tokens"], **mean})  # fmt: skip
     return out
 

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from benchmarks.defaults import compare, load
+from benchmarks.defaults import compare, load, means_over_windows
 from benchmarks.results_io import add_results_dir_option, environment, plot_facets, write_results
 from shadowkv_cache import LandmarkTopK, ShadowKVCache
 from shadowkv_cache.fidelity import natural_text_ids, teacher_forced_logits
@@ -124,12 +124,7 @@ def main() -> None:
         rows.append(row)
         tqdm.write(str(row))
 
-    summary = []
-    for key in dict.fromkeys((r["prompt_tokens"], r["landmarks"]) for r in rows):
-        group = [r for r in rows if (r["prompt_tokens"], r["landmarks"]) == key]
-        mean = {k: round(sum(r[k] for r in group) / len(group), 4) for k in ("agreement", "mean_kl", "same_selection")}
-        summary.append(dict(prompt_tokens=key[0], landmarks=key[1], windows=len(group),
-                            budget_tokens=group[0]["budget_tokens"], **mean))  # fmt: skip
+    summary = means_over_windows(rows, "landmarks", ("agreement", "mean_kl", "same_selection"))
     name = f"landmark_precision_{args.model}_{args.device}"
     notes = (
         f"{args.model}, {args.dtype} on {args.device}, ShadowKV at its defaults: the landmarks rounded once after "
