@@ -39,28 +39,20 @@ template <> struct Unit<float> {
         f[3] = __uint_as_float(w.w);
     }
 };
-template <> struct Unit<bf16> {
+/// Both 16-bit types: element 2i of the unit is the low half of word i, element 2i + 1 the high half.
+template <typename T> struct Unit16 {
     static constexpr int E = 8;
     static __device__ __forceinline__ void unpack(uint4 w, float (&f)[8]) {
         const unsigned int x[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            f[2 * i] = __uint_as_float(x[i] << 16);
-            f[2 * i + 1] = __uint_as_float(x[i] & 0xffff0000u);
+            f[2 * i] = to_f32(T{(unsigned short)(x[i] & 0xffffu)});
+            f[2 * i + 1] = to_f32(T{(unsigned short)(x[i] >> 16)});
         }
     }
 };
-template <> struct Unit<f16> {
-    static constexpr int E = 8;
-    static __device__ __forceinline__ void unpack(uint4 w, float (&f)[8]) {
-        const unsigned int x[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            f[2 * i] = to_f32(f16{(unsigned short)(x[i] & 0xffffu)});
-            f[2 * i + 1] = to_f32(f16{(unsigned short)(x[i] >> 16)});
-        }
-    }
-};
+template <> struct Unit<bf16> : Unit16<bf16> {};
+template <> struct Unit<f16> : Unit16<f16> {};
 
 /// \brief The part holding concatenated slot `n` of (row, head): its index (or -1) and the slot's element offsets of
 /// keys and values and its validity. The loop is unrolled so that the parts are read from the parameter space.
