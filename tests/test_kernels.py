@@ -243,8 +243,12 @@ def test_gather_values_fp8_kernel_matches_twin(dtype, rows, heads, slots, chunks
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    "rows, heads, slots, chunks, c, dim", [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 16), (4, 2, 77, 77, 8, 64)]
-)
+    "rows, heads, slots, chunks, c, dim",
+    # The warp kernel: (8, 128) one load per lane, (8, 64) half the lanes, (16, 128) and (8, 256) two loads per
+    # lane, (3, 32) three lanes. The block kernel: (3, 16) (D < 32) and (16, 256) (c*D > 2048).
+    [(3, 8, 256, 311, 8, 128), (2, 3, 13, 51, 3, 16), (4, 2, 77, 77, 8, 64), (2, 2, 40, 60, 16, 128),
+     (2, 2, 40, 60, 8, 256), (2, 3, 21, 30, 3, 32), (2, 2, 9, 20, 16, 256)],
+)  # fmt: skip
 def test_gather_values_higgs4_kernel_matches_twin(dtype, rows, heads, slots, chunks, c, dim):
     """The kernel's Walsh-Hadamard transform sums in another order than the twin's matmul: equal to round-off."""
     data = torch.randn(rows, heads, chunks, c, dim) * torch.exp(torch.randn(rows, heads, chunks, c, 1) * 2)
@@ -258,6 +262,25 @@ def test_gather_values_higgs4_kernel_matches_twin(dtype, rows, heads, slots, chu
     scale = ref.float().abs().amax(-1, keepdim=True)
     eps = max(torch.finfo(dtype).eps, 1e-5)
     assert bool(((got.float() - ref.float()).abs() <= eps * scale).all())
+
+
+@pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])
+def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value_format):
+    """The kernels stride over the slots: a grid of one block (one SM's share, here forced) fetches them all."""
+    import shadowkv_cache.ops.gather_values as module
+
+    monkeypatch.setattr(module, "FETCH_BLOCKS_PER_SM", 1e-6)
+    assert module._grid(CUDA, 10_000) == (1, 1, 1)
+    data = torch.randn(2, 4, 50, 8, 128)
+    store = HostValueStore.offload(data.to(torch.bfloat16).cuda(), pin=True, value_format=value_format)
+    store = store.select_rows(torch.tensor([1, 0, 1]))
+    got, ref, miss = gather_by_kernel_and_twin(store, 4, 64, 50, 8, 128, torch.bfloat16)
+    assert miss.sum() > 100
+    if value_format == "higgs4":
+        scale = ref.float().abs().amax(-1, keepdim=True)
+        assert bool(((got.float() - ref.float()).abs() <= torch.finfo(torch.bfloat16).eps * scale).all())
+    else:
+        assert torch.equal(got, ref)
 
 
 def compressed_cuda_cache(arch="llama", dtype=torch.float32, **changes):

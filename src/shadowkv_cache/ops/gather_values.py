@@ -4,10 +4,15 @@ Legend: B batch, Hkv KV heads, K slots, c chunk size, D head dim, P payload elem
 chunks.
 
 On CUDA with a pinned store the kernels of `kernels/gather_values.cu` read each missed (row, head, chunk)
-block straight from host memory over PCIe (zero copy: no staging buffer, no host synchronisation); one
-block per slot, hits return at once. A quantised store's block (codes plus its `c` scales) is decoded on
-the way into the slots, so only the encoded bytes cross PCIe. Otherwise the twin indexes the store on the
-host, copies and decodes with the codec (`stores/value_codecs.py`, the definition).
+block straight from host memory over PCIe (zero copy: no staging buffer, no host synchronisation). A
+quantised store's block (codes plus its `c` scales) is decoded on the way into the slots, so only the encoded
+bytes cross PCIe. Otherwise the twin indexes the store on the host, copies and decodes with the codec
+(`stores/value_codecs.py`, the definition).
+
+The kernels stride over the slots with at most `FETCH_BLOCKS_PER_SM` blocks per SM, hits skipped. The fetch is
+bound by PCIe, and the temporal cache runs it on a side stream beside the key rebuild: a grid of one block per
+slot (tens of thousands at batch 32) would fill every SM until its last block started, and the rebuild would
+wait behind it (docs/design.md, "The decode step").
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ __all__ = ["gather_values", "gather_values_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in (c=8, D=128 needs 4 KiB)
+# Blocks of 128 threads per SM at most. One keeps enough reads in flight to fill PCIe (a block reads a whole
+# chunk at a time; the higgs4 warp kernel reads two slots ahead per warp) and leaves most of each SM to the rebuild.
+FETCH_BLOCKS_PER_SM = 1.0
+_SM_COUNTS: dict[int, int] = {}
 
 
 def gather_values_reference(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, store: HostValueStore) -> None:
@@ -65,29 +74,37 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
         (heads, ctypes.c_int),
         (num_slots, ctypes.c_int),
     ]
+    total = (batch * heads * num_slots, ctypes.c_longlong)
     kernels = load_kernels("gather_values", values.device)
     if store.codec.name == "native":
         vec16 = all(x % 16 == 0 for x in (host, row_stride, head_stride, chunk_bytes, values.data_ptr()))
         kernels.launch(
             "gather_values",
-            grid=(num_slots, heads, batch),
+            grid=_grid(values.device, total[0]),
             block=(128, 1, 1),
-            args=[*common, (chunk_bytes, ctypes.c_int), (int(vec16), ctypes.c_int)],
+            args=[*common, (chunk_bytes, ctypes.c_int), (int(vec16), ctypes.c_int), total],
         )
         return
-    scales = store.scales
-    scale_item = scales.element_size()
     # 16 codes per 16-byte load. fp8 decodes each load into 16 outputs of one vector (D a multiple of 16)
-    # and writes them with 16-byte stores; higgs4 decodes into shared memory first.
+    # and writes them with 16-byte stores; higgs4 decodes in a lane's registers (usual head sizes) or in shared
+    # memory.
     aligned = [host, row_stride, head_stride, chunk_bytes]
     if store.codec.name == "fp8":
         aligned += [values.data_ptr(), c * dim * values.element_size(), dim]
     vec16 = all(x % 16 == 0 for x in aligned)
+    name = f"gather_values_{store.codec.name}_{_KERNEL_DTYPES[values.dtype]}"
+    if store.codec.name == "higgs4" and vec16 and _warp_fits(values, c, dim):
+        kernels.launch(
+            name.replace("higgs4", "higgs4_warp"),
+            grid=_grid(values.device, -(-total[0] // 4)),  # 4 warps per block, one slot per warp at a time
+            block=(128, 1, 1),
+            args=[*common, *_scale_args(store, values.device), (c, ctypes.c_int), (dim, ctypes.c_int),
+                  *store.codec.tables(values.device), total],
+        )  # fmt: skip
+        return
     args = [
         *common,
-        (store.scales_pointer(values.device), ctypes.c_void_p),
-        (scales.stride(0) * scale_item, ctypes.c_longlong),
-        (scales.stride(1) * scale_item, ctypes.c_longlong),
+        *_scale_args(store, values.device),
         (c, ctypes.c_int),
         (dim, ctypes.c_int),
         (int(vec16), ctypes.c_int),
@@ -95,12 +112,37 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     if store.codec.name == "higgs4":
         args += list(store.codec.tables(values.device))
     kernels.launch(
-        f"gather_values_{store.codec.name}_{_KERNEL_DTYPES[values.dtype]}",
-        grid=(num_slots, heads, batch),
+        name,
+        grid=_grid(values.device, total[0]),
         block=(128, 1, 1),
-        args=args,
+        args=[*args, total],
         shared_bytes=_shared_bytes(store.codec.name, c, dim),
     )
+
+
+def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, type]]:
+    """The kernels' scale arguments: the pinned scales' device pointer, and their row and head strides in bytes."""
+    scales = store.scales
+    item = scales.element_size()
+    return [
+        (store.scales_pointer(device), ctypes.c_void_p),
+        (scales.stride(0) * item, ctypes.c_longlong),
+        (scales.stride(1) * item, ctypes.c_longlong),
+    ]
+
+
+def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:
+    """`blocks` (of 128 threads), but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return (max(1, min(blocks, int(_SM_COUNTS[index] * FETCH_BLOCKS_PER_SM))), 1, 1)
+
+
+def _warp_fits(values: torch.Tensor, c: int, dim: int) -> bool:
+    """Whether `gather_values_higgs4_warp` serves these slots: a lane decodes 32 coordinates of one vector (D a
+    power of two in [32, 1024]), at most two 16-byte loads per lane (c*D/32 <= 64), 16-byte aligned outputs."""
+    return 32 <= dim <= 1024 and dim & (dim - 1) == 0 and c * dim <= 2048 and values.data_ptr() % 16 == 0
 
 
 def _shared_bytes(name: str, c: int, dim: int) -> int:
