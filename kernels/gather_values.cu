@@ -307,7 +307,7 @@ __device__ __forceinline__ void higgs_decode(const HiggsSlot& s, long long sh, T
 
 /// \brief Warps stride over the slots; what `gather_values_higgs4` computes, for D a power of two in [32, 1024]
 /// and c*D/32 <= 64, 16-byte aligned code blocks and output slots.
-/// Launch: grid (any, 1, 1), block 128 threads (4 warps), no shared memory.
+/// Launch: grid (any, 1, 1), block of whole warps (at most 8), no shared memory.
 template <typename T>
 __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long long* ids, const bool* miss,
                                                           const unsigned char* host, const long long* row_map,
@@ -344,7 +344,7 @@ __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long 
 }
 
 #define GATHER_HIGGS4_WARP(NAME, T)                                                                                \
-    extern "C" __global__ void __launch_bounds__(128)                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
         NAME(T* values, const long long* ids, const bool* miss, const unsigned char* host, const long long* row_map, \
              long long row_stride, long long head_stride, int Hkv, int K, const unsigned char* scales,             \
              long long scale_row_stride, long long scale_head_stride, int c, int D, const float* grid,             \

@@ -31,6 +31,7 @@ _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting i
 # Blocks of 128 threads per SM at most. One keeps enough reads in flight to fill PCIe (a block reads a whole
 # chunk at a time; the higgs4 warp kernel reads two slots ahead per warp) and leaves most of each SM to the rebuild.
 FETCH_BLOCKS_PER_SM = 1.0
+HIGGS_WARPS_PER_BLOCK = 4  # the higgs4 warp kernel's block: at most 8 warps (its launch bounds)
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -96,8 +97,8 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     if store.codec.name == "higgs4" and vec16 and _warp_fits(values, c, dim):
         kernels.launch(
             name.replace("higgs4", "higgs4_warp"),
-            grid=_grid(values.device, -(-total[0] // 4)),  # 4 warps per block, one slot per warp at a time
-            block=(128, 1, 1),
+            grid=_grid(values.device, -(-total[0] // HIGGS_WARPS_PER_BLOCK)),  # a slot per warp at a time
+            block=(32 * HIGGS_WARPS_PER_BLOCK, 1, 1),
             args=[*common, *_scale_args(store, values.device), (c, ctypes.c_int), (dim, ctypes.c_int),
                   *store.codec.tables(values.device), total],
         )  # fmt: skip
