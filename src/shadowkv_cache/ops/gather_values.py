@@ -30,7 +30,7 @@ _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "
 _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in (c=8, D=128 needs 4 KiB)
 # Blocks of 128 threads per SM at most. One keeps enough reads in flight to fill PCIe (a block reads a whole
 # chunk at a time; the higgs4 warp kernel reads two slots ahead per warp) and leaves most of each SM to the rebuild.
-FETCH_BLOCKS_PER_SM = 1.0
+FETCH_BLOCKS_PER_SM = 0.5
 HIGGS_WARPS_PER_BLOCK = 4  # the higgs4 warp kernel's block: at most 8 warps (its launch bounds)
 _SM_COUNTS: dict[int, int] = {}
 
