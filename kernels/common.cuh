@@ -86,10 +86,11 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
 
 // ---- Walsh-Hadamard transform across a warp (gather_dequant.cu) -------------------------------------------------
 
-/// \brief Unnormalised Walsh-Hadamard transform (natural order) of a vector of `lanes * EPL` coordinates held
-/// by the warp: lane `l` holds coordinates `l*EPL .. l*EPL + EPL - 1` in `x`. Lanes at or above `lanes` (when
-/// the vector is shorter than a warp) hold zeros and must still call. The butterflies are those of
-/// gather_values.cu's shared-memory transform, pair (i, i + h) -> (a + b, a - b), so both give the same bits.
+/// \brief Unnormalised Walsh-Hadamard transform (natural order) of vectors of `lanes * EPL` coordinates, each held
+/// by `lanes` aligned lanes of the warp (`lanes` a power of two): lane `l` holds coordinates `(l % lanes) * EPL` to
+/// `(l % lanes) * EPL + EPL - 1` of its vector in `x`, so a warp transforms 32 / `lanes` vectors at once. Every lane
+/// must call (lanes without a vector hold anything). The butterflies are those of gather_values.cu's shared-memory
+/// transform, pair (i, i + h) -> (a + b, a - b), so both give the same bits.
 template <int EPL>
 __device__ __forceinline__ void warp_hadamard(float (&x)[EPL], int lanes) {
 #pragma unroll

@@ -218,9 +218,9 @@ GATHER_HIGGS4(gather_values_higgs4_f32, float)
 // ---- higgs4, one warp per slot -------------------------------------------------------------------------------
 //
 // A lane owns 16 codes (one 16-byte load): 32 consecutive coordinates of one vector, so the first five
-// butterfly stages (distances 1..16) stay in its registers and the rest (32..D/2) pair lanes by shuffles. No
-// shared memory, no barriers; each warp loads its next missed slot before decoding the current one, so that
-// two PCIe reads per warp are in flight.
+// butterfly stages (distances 1..16) stay in its registers and the rest (32..D/2) pair lanes by shuffles
+// (`warp_hadamard`, common.cuh). No shared memory, no barriers; each warp loads its next missed slot before
+// decoding the current one, so that two PCIe reads per warp are in flight.
 
 constexpr int HIGGS_WARP_LOADS = 2;  // 16-byte loads per lane and slot at most: c*D/32 <= 64
 
@@ -270,25 +270,8 @@ __device__ __forceinline__ void higgs_decode(const HiggsSlot& s, long long sh, T
             x[2 * j] = p.x;
             x[2 * j + 1] = p.y;
         }
-        // Butterflies (i, i + h) as the block kernel pairs them, in the same order of stages.
-#pragma unroll
-        for (int h = 1; h < 32; h <<= 1) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                if (i & h) continue;
-                const float a = x[i], b = x[i + h];
-                x[i] = a + b;
-                x[i + h] = a - b;
-            }
-        }
-        for (int m = 1; m < per_vec; m <<= 1) {  // distance 32*m: the partner lane holds the other coordinate
-            const bool upper = lane & m;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const float other = __shfl_xor_sync(0xffffffffu, x[i], m);
-                x[i] = upper ? other - x[i] : x[i] + other;
-            }
-        }
+        // The butterflies of the block kernel, in the same order: a vector spans `per_vec` aligned lanes.
+        warp_hadamard<32>(x, per_vec);
         if (!active) continue;
         const float scale = s.norm[it] / (float)D;
         __align__(16) T out[32];

@@ -454,12 +454,12 @@ def test_every_kernel_has_an_op_that_launches_it_and_a_tested_twin(stem):
 def test_attend_parts_splits_cover_every_slot_once(total, blocks, sms, tile):
     from shadowkv_cache.ops import attend_parts as op
 
-    original = op._multiprocessors
-    op._multiprocessors = lambda index: sms
+    original = op.multiprocessors
+    op.multiprocessors = lambda index: sms
     try:
         splits, span = op._splits(total, blocks, tile, torch.device("cuda", 0))
     finally:
-        op._multiprocessors = original
+        op.multiprocessors = original
     assert span % tile == 0 and span >= tile
     assert (splits - 1) * span < total <= splits * span  # every split has slots, and all slots have a split
     assert splits * blocks <= op._BLOCKS_PER_SM * sms + blocks  # about as many blocks as the GPU wants, not more

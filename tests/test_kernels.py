@@ -17,6 +17,7 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
+from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
@@ -281,6 +282,64 @@ def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value
         assert bool(((got.float() - ref.float()).abs() <= torch.finfo(torch.bfloat16).eps * scale).all())
     else:
         assert torch.equal(got, ref)
+
+
+def landmark_logits_in(layout: str, batch: int, heads: int, group: int, chunks: int, dtype, gen) -> torch.Tensor:
+    """`[B, Hkv, G, 1, C]` logits laid out as the landmark GEMM leaves them: `einsum` (contiguous), `padded` (the
+    `[B, Hkv, C, 8k]` product of padded query rows, transposed), `shared` (one document's `[1, Hkv, C, 8k]` product
+    for every row's queries), or `strided` (every dim strided)."""
+    data = lambda *shape: (torch.randn(*shape, generator=gen) * 4).to(dtype).to(CUDA)  # noqa: E731
+    rows = -(-group // 8) * 8
+    if layout == "einsum":
+        return data(batch, heads, group, 1, chunks)
+    if layout == "padded":
+        return data(batch, heads, chunks, rows)[..., :group].transpose(-1, -2).reshape(batch, heads, group, 1, chunks)
+    if layout == "shared":
+        rows = -(-(batch * group) // 8) * 8
+        product = data(1, heads, chunks, rows)[..., : batch * group].transpose(-1, -2)
+        return product.reshape(heads, batch, group, chunks).transpose(0, 1).reshape(batch, heads, group, 1, chunks)
+    return data(chunks + 3, group + 1, heads, 2 * batch)[:chunks, :group, :, ::2].permute(3, 2, 1, 0)[:, :, :, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["einsum", "padded", "shared", "strided"])
+@pytest.mark.parametrize(
+    "batch, heads, group, chunks", [(3, 8, 4, 5000), (2, 2, 1, 37), (1, 3, 7, 2049), (2, 1, 16, 300)]
+)
+def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group, chunks):
+    """The softmax of each query head over the selectable chunks, max over the group, -inf elsewhere, read from the
+    GEMM's output in place: equal to round-off (the sums run in another order), and the same top chunks."""
+    gen = torch.Generator().manual_seed(chunks + group)
+    logits = landmark_logits_in(layout, batch, heads, group, chunks, dtype, gen)
+    assert logits.shape == (batch, heads, group, 1, chunks)
+    selectable = (torch.rand(batch, heads, chunks, generator=gen) < 0.7).to(CUDA)
+    selectable[0, 0] = False  # a head with nothing selectable: every score -inf
+    if layout == "shared":  # rows of one document share its mask
+        selectable = selectable[:1].expand(batch, -1, -1)
+    got = landmark_scores(logits, selectable)
+    want = landmark_scores_reference(logits, selectable)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, chunks) and got.is_contiguous()
+    assert torch.equal(got == float("-inf"), ~selectable)
+    torch.testing.assert_close(got[selectable], want[selectable], rtol=1e-5, atol=1e-9)
+    k = min(16, chunks)
+    picked = got.topk(k, dim=-1).indices
+    # The twin's scores of the kernel's picks are the twin's own top scores, up to the same round-off.
+    torch.testing.assert_close(want.gather(-1, picked), want.topk(k, dim=-1).values, rtol=1e-5, atol=1e-9)
+
+
+def test_landmark_scores_kernel_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(0)
+    logits = landmark_logits_in("padded", 4, 8, 4, 1000, torch.bfloat16, gen)
+    selectable = (torch.rand(4, 8, 1000, generator=gen) < 0.5).to(CUDA)
+    landmark_scores(logits, selectable)  # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = landmark_scores(logits, selectable)
+    logits.copy_(landmark_logits_in("padded", 4, 8, 4, 1000, torch.bfloat16, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = landmark_scores_reference(logits, selectable)
+    torch.testing.assert_close(out[selectable], want[selectable], rtol=1e-5, atol=1e-9)
 
 
 def compressed_cuda_cache(arch="llama", dtype=torch.float32, **changes):

@@ -285,7 +285,7 @@ def test_landmark_logits_both_ways_agree(shared, chunks):
     landmarks = torch.randn(1 if shared else 3, 2, chunks, 16, generator=gen)
     want = landmark_logits(q, landmarks, pad_rows=False)
     got = landmark_logits(q, landmarks, pad_rows=True)
-    assert got.shape == want.shape == (3, 2, 4, 1, chunks) and got.is_contiguous()
+    assert got.shape == want.shape == (3, 2, 4, 1, chunks)  # a view of the product (the scores read it in place)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

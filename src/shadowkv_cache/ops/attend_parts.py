@@ -15,13 +15,12 @@ per KV head) runs the twin.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from ..core.attention import NO_TERMS, LogitTerms, Part
 from ..core.attention import attend_parts as attend_parts_reference
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["attend_parts", "attend_parts_reference"]
 
@@ -153,12 +152,7 @@ def _splits(total: int, blocks: int, tile: int, device: torch.device) -> tuple[i
     """(S, slots per split, a multiple of `tile`): about `_BLOCKS_PER_SM` blocks per multiprocessor, a tile each at
     least (each block's tiles run one after another, so more splits are more loads in flight)."""
     tiles = -(-total // tile)
-    wanted = -(-_BLOCKS_PER_SM * _multiprocessors(device.index or 0) // blocks)
+    wanted = -(-_BLOCKS_PER_SM * multiprocessors(device.index or 0) // blocks)
     per_split = -(-tiles // max(1, min(tiles, wanted)))
     span = per_split * tile
     return -(-total // span), span
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -22,7 +22,7 @@ import ctypes
 import torch
 
 from ..stores.value_store import HostValueStore
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["gather_values", "gather_values_reference"]
 
@@ -32,7 +32,6 @@ _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting i
 # chunk at a time; the higgs4 warp kernel reads two slots ahead per warp) and leaves most of each SM to the rebuild.
 FETCH_BLOCKS_PER_SM = 0.5
 HIGGS_WARPS_PER_BLOCK = 4  # the higgs4 warp kernel's block: at most 8 warps (its launch bounds)
-_SM_COUNTS: dict[int, int] = {}
 
 
 def gather_values_reference(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, store: HostValueStore) -> None:
@@ -135,9 +134,7 @@ def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, 
 def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:
     """`blocks` (of 128 threads), but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return (max(1, min(blocks, int(_SM_COUNTS[index] * FETCH_BLOCKS_PER_SM))), 1, 1)
+    return (max(1, min(blocks, int(multiprocessors(index) * FETCH_BLOCKS_PER_SM))), 1, 1)
 
 
 def _warp_fits(values: torch.Tensor, c: int, dim: int) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import tempfile
@@ -37,6 +38,7 @@ __all__ = [
     "host_device_pointer",
     "kernels_available",
     "load_kernels",
+    "multiprocessors",
     "source_dir",
 ]
 
@@ -293,3 +295,9 @@ def host_device_pointer(tensor: torch.Tensor, device: torch.device) -> int:
     with torch.cuda.device(device):
         pointer = driver.cuMemHostGetDevicePointer(tensor.data_ptr(), 0)
     return int(_check(pointer, "cuMemHostGetDevicePointer (pinned?)"))
+
+
+@functools.cache
+def multiprocessors(index: int) -> int:
+    """The SM count of CUDA device `index` (grids sized to the machine: split attention, the value fetch)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count

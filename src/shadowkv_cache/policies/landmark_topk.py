@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..core.landmarks import chunk_landmarks
+from ..ops.landmark_scores import landmark_scores, softmax_group_max
 from .base import SelectionPolicy, grouped_query
 
 __all__ = ["LandmarkTopK"]
@@ -25,6 +26,24 @@ class LandmarkTopK(SelectionPolicy):
     def score(
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
+        return softmax_group_max(self._logits(query, state, scaling), selectable)  # [B, Hkv, C]
+
+    def masked_scores(
+        self,
+        query: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        selectable: torch.Tensor,
+        scaling: float,
+        query_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if query_mask is not None:
+            return super().masked_scores(query, state, selectable, scaling, query_mask)
+        # The masked scores in one op: on CUDA one kernel over the GEMM's output as it lies (ops/landmark_scores.py).
+        return landmark_scores(self._logits(query, state, scaling), selectable)
+
+    @staticmethod
+    def _logits(query: torch.Tensor, state: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """`[B, Hkv, G, T, C]` logits of `query` `[B, Hq, T, D]` against the landmarks, possibly a strided view."""
         landmarks = state["landmarks"]
         # Rows sharing one document hold stride-0 views: score against the one copy, which einsum broadcasts,
         # rather than materialising a copy per row.
@@ -32,18 +51,10 @@ class LandmarkTopK(SelectionPolicy):
             landmarks = landmarks[:1]
         q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
         # A GEMM in the KV dtype (fp32 accumulation): the landmarks are the largest tensor a step reads, and
-        # converting them to fp32 first would triple those bytes. On an H200 this GEMM and the softmax below
-        # (0.60 ms per layer at batch 32, 128K) beat a fused CUDA kernel that streamed the landmarks once
-        # (1.0-1.1 ms), so there is no kernel here.
-        logits = landmark_logits(q.to(landmarks.dtype), landmarks)
-        # Unselectable chunks take no share of the softmax. The dtype's lowest value gives exp() = 0 as -inf does,
-        # and a head with nothing selectable then gets a uniform softmax rather than NaN, so no pass over the
-        # probabilities has to clear NaNs (the caller masks such heads' scores anyway, `masked_scores`).
-        logits = torch.where(selectable[:, :, None, None, :], logits, torch.finfo(logits.dtype).min)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, Hkv, G, T, C]
-        # A one-token step sums over one query token: a view, not a pass over the probabilities.
-        summed = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.sum(dim=3)
-        return summed.amax(dim=2)  # [B, Hkv, C]
+        # converting them to fp32 first would triple those bytes. On an H200 this GEMM beat a fused CUDA kernel that
+        # streamed the landmarks once and did the softmax as well (1.0-1.1 ms against 0.60 ms per layer at batch
+        # 32, 128K, with the softmax), so only what follows the GEMM is a kernel.
+        return landmark_logits(q.to(landmarks.dtype), landmarks)
 
 
 def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | None = None) -> torch.Tensor:
@@ -54,7 +65,7 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
     not a multiple of 8, and the GEMM then falls back to a kernel 2.3x slower (an H200 at batch 32, 128K, in
     `profile_decode.py`: 0.62 against 0.26 ms per layer). So on CUDA such a product is taken the other way round,
     `landmarks · qᵀ` with the query rows padded with zeros to a multiple of 8, and its `[..., C, rows]` output
-    transposed back. `pad_rows` forces either way (None: that choice).
+    returned as a transposed view (not contiguous). `pad_rows` forces either way (None: that choice).
     """
     batch, heads, group, steps, dim = q.shape
     chunks, shared = landmarks.shape[2], landmarks.shape[0] == 1 and batch > 1
@@ -71,4 +82,5 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
     logits = torch.matmul(landmarks, padded.transpose(-1, -2))[..., :count].transpose(-1, -2)
     if shared:
         logits = logits.reshape(heads, batch, group * steps, chunks).transpose(0, 1)
-    return logits.contiguous().view(batch, heads, group, steps, chunks)
+    # A view of the GEMM's output: the scores read it where it lies (ops/landmark_scores.py).
+    return logits.reshape(batch, heads, group, steps, chunks)
