@@ -86,6 +86,10 @@ def main() -> None:
             log(f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
                 f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}")  # fmt: skip
     kernels = [] if args.no_profile else profile(model, cache, batch, device)
+    fetch = fetch_overlap(kernels, rows[-1]["step_ms"]) if kernels else None
+    if fetch:
+        log(f"value fetch {fetch['fetch_ms']:.2f} ms per step; kernels overlapped {fetch['overlap_ms']:.2f} ms "
+            f"(device time less the step): at least {fetch['hidden_share']:.0%} of the fetch hidden")  # fmt: skip
     if args.name:
         env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
         title = f"Decode step by graph mode, {args.mode}, context {args.context} (synthetic cache, h={args.h})"
@@ -93,7 +97,23 @@ def main() -> None:
         columns = ["context", "batch", "mode", "values", "graphs", "h", "step_ms", "tok_s", "replays"]
         notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, 3 steps) "
                  "are in the JSON (`kernels`).") if kernels else ""  # fmt: skip
-        write_results(args.name, title, env, rows, columns, plot, notes, extra={"kernels": kernels})
+        if fetch:
+            notes += (f" The value fetch took {fetch['fetch_ms']:.2f} ms per step; kernels ran side by side for "
+                      f"{fetch['overlap_ms']:.2f} ms (device time less the step time), so at least "
+                      f"{fetch['hidden_share']:.0%} of the fetch was hidden (`fetch` in the JSON).")  # fmt: skip
+        write_results(args.name, title, env, rows, columns, plot, notes, extra={"kernels": kernels, "fetch": fetch})
+
+
+def fetch_overlap(kernels: list[dict], step_ms: float) -> dict | None:
+    """How much of the value fetch ran beside other kernels: the device time summed over kernels less the step's wall
+    time is time during which kernels overlapped, and only the fetch runs on a side stream, so that over the fetch's
+    own time is a lower bound on the share hidden (idle gaps in the step lower it). None without a fetch kernel."""
+    fetch_ms = sum(k["ms_per_step"] for k in kernels[1:] if k["name"].startswith(("gather_values", "gather_dequant")))
+    if not fetch_ms:
+        return None
+    overlap_ms = max(0.0, kernels[0]["ms_per_step"] - step_ms)
+    return dict(fetch_ms=round(fetch_ms, 3), overlap_ms=round(overlap_ms, 3),
+                hidden_share=round(min(1.0, overlap_ms / fetch_ms), 3))  # fmt: skip
 
 
 def profile(model, cache, batch: int, device: torch.device) -> list[dict]:

@@ -506,3 +506,23 @@ def test_attend_parts_kernel_declines_what_it_cannot_serve(monkeypatch):
     assert not op._kernel_fits(*case(tokens=2), NO_TERMS)
     assert not op._kernel_fits(*case(dim=96), NO_TERMS)  # 12 units of 16 bytes
     assert not op._kernel_fits(*case(group=9), NO_TERMS)
+
+
+def test_landmark_scores_kernel_serves_one_token_steps_with_enough_rows(monkeypatch):
+    """The scores kernel runs one block per (row, KV head): fewer than half the SMs' worth run the twin (PyTorch splits
+    each row over many blocks), as do several query tokens, more than 16 query heads per KV head and a strided mask."""
+    from shadowkv_cache.ops import landmark_scores as op
+
+    monkeypatch.setattr(op, "kernels_available", lambda device: True)
+    monkeypatch.setattr(op, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def fits(batch=32, heads=8, group=4, tokens=1, chunks=100, strided_mask=False):
+        logits = torch.zeros(batch, heads, group, tokens, chunks, dtype=torch.bfloat16)  # shapes, strides, dtypes only
+        selectable = torch.ones(batch, heads, 2 * chunks if strided_mask else chunks, dtype=torch.bool)
+        return op._kernel_fits(logits, selectable[..., ::2] if strided_mask else selectable)
+
+    assert fits() and fits(batch=9) and fits(batch=66, heads=1)
+    assert not fits(batch=1) and not fits(batch=8) and not fits(batch=65, heads=1)
+    assert not fits(tokens=2) and not fits(group=17) and not fits(strided_mask=True) and not fits(chunks=0)
+    assert fits(group=16)

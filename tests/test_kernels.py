@@ -31,6 +31,7 @@ pytestmark = [
 
 CUDA = torch.device("cuda")
 rebuild_keys_op = importlib.import_module("shadowkv_cache.ops.rebuild_keys")  # `ops.rebuild_keys` is the twin
+landmark_scores_op = importlib.import_module("shadowkv_cache.ops.landmark_scores")
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
 
@@ -306,9 +307,10 @@ def landmark_logits_in(layout: str, batch: int, heads: int, group: int, chunks: 
 @pytest.mark.parametrize(
     "batch, heads, group, chunks", [(3, 8, 4, 5000), (2, 2, 1, 37), (1, 3, 7, 2049), (2, 1, 16, 300)]
 )
-def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group, chunks):
+def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group, chunks, monkeypatch):
     """The softmax of each query head over the selectable chunks, max over the group, -inf elsewhere, read from the
     GEMM's output in place: equal to round-off (the sums run in another order), and the same top chunks."""
+    monkeypatch.setattr(landmark_scores_op, "MIN_BLOCKS_PER_SM", 0)  # the kernel even for a few (row, head) pairs
     gen = torch.Generator().manual_seed(chunks + group)
     logits = landmark_logits_in(layout, batch, heads, group, chunks, dtype, gen)
     assert logits.shape == (batch, heads, group, 1, chunks)
@@ -327,7 +329,8 @@ def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group,
     torch.testing.assert_close(want.gather(-1, picked), want.topk(k, dim=-1).values, rtol=1e-5, atol=1e-9)
 
 
-def test_landmark_scores_kernel_replays_in_a_cuda_graph():
+def test_landmark_scores_kernel_replays_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setattr(landmark_scores_op, "MIN_BLOCKS_PER_SM", 0)
     gen = torch.Generator().manual_seed(0)
     logits = landmark_logits_in("padded", 4, 8, 4, 1000, torch.bfloat16, gen)
     selectable = (torch.rand(4, 8, 1000, generator=gen) < 0.5).to(CUDA)

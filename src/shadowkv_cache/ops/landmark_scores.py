@@ -4,10 +4,10 @@ tokens, then the max over each GQA group (ShadowKV §3.2, `policies/landmark_top
 Legend: B batch, Hkv KV heads, G query heads per KV head, T query tokens, C chunks.
 
 `softmax_group_max` is the definition (PyTorch). `landmark_scores` is what selection ranks by: the same, with -inf
-where a chunk is not selectable. On CUDA a one-token step runs `kernels/landmark_scores.cu`, which reads the logits
-in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's transposed copy, mask,
-conversion to fp32, softmax, max and second mask (~8 ms of a 52 ms step at batch 32 and 128K on an H200 machine,
-`benchmarks/profile_decode.py`); otherwise the twin runs.
+where a chunk is not selectable. On CUDA a one-token step of enough rows runs `kernels/landmark_scores.cu`, which
+reads the logits in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's transposed
+copy, mask, conversion to fp32, softmax, max and second mask (~8 ms of a 52 ms step at batch 32 and 128K on an H200
+machine, 3.1 ms with the kernel; `benchmarks/profile_decode.py`); otherwise the twin runs.
 """
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ import ctypes
 
 import torch
 
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["landmark_scores", "landmark_scores_reference", "softmax_group_max"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _MAX_GROUP = 16  # LS_MAX_G in the kernel
+# The kernel runs one block per (row, KV head). With fewer of them than this share of the SMs it leaves most of the
+# GPU idle, and PyTorch's kernels, which split each row over many blocks, are faster: on an H200 machine at 128K
+# the kernel took 2.05 ms of a batch-1 step (8 blocks; the twin's kernels ~1 ms) and 3.1 ms of a batch-32 step (256
+# blocks; the twin's ~8 ms), and the steps at batch 8 were within 1% (`decode_profile_128k_batch*`, `throughput.py`).
+MIN_BLOCKS_PER_SM = 0.5
 
 
 def softmax_group_max(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
@@ -68,10 +73,13 @@ def landmark_scores(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Ten
 
 def _kernel_fits(logits: torch.Tensor, selectable: torch.Tensor) -> bool:
     """A one-token step of a known dtype on a CUDA device with kernels, at most 16 query heads per KV head, the
-    chunks of `selectable` contiguous, and grid dimensions the device takes."""
+    chunks of `selectable` contiguous, grid dimensions the device takes, and blocks for `MIN_BLOCKS_PER_SM`."""
     batch, heads, group, steps, chunks = logits.shape
+    if not kernels_available(logits.device):
+        return False
+    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     return (
-        kernels_available(logits.device)
+        batch * heads >= MIN_BLOCKS_PER_SM * multiprocessors(index)
         and steps == 1
         and 0 < group <= _MAX_GROUP
         and logits.dtype in _KERNEL_DTYPES
