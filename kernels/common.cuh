@@ -84,7 +84,7 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
     m = hi;
 }
 
-// ---- Walsh-Hadamard transform across a warp (gather_dequant.cu) -------------------------------------------------
+// ---- Walsh-Hadamard transform across a warp (gather_dequant.cu, gather_values.cu) ----------------------------------
 
 /// \brief Unnormalised Walsh-Hadamard transform (natural order) of vectors of `lanes * EPL` coordinates, each held
 /// by `lanes` aligned lanes of the warp (`lanes` a power of two): lane `l` holds coordinates `(l % lanes) * EPL` to

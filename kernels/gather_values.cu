@@ -138,7 +138,7 @@ GATHER_FP8(gather_values_fp8_f32, float)
 ///                      h*scale_head_stride + ch*c*2 bytes
 /// \param grid          [256, 2] float32 on the device: the grid points
 /// \param signs         [D] float32 on the device: the rotation's sign flips (+-1)
-/// \param vec16         1 when the code block addresses are 16-byte aligned and D/2 % 16 == 0
+/// \param vec16         1 when the code block addresses and the code bytes of a chunk (c*D/2) are multiples of 16
 /// \param total         B*Hkv*K
 /// Launch: grid (any, 1, 1), block 128 threads, dynamic shared memory (c*D + c)*4 bytes; D a power of two.
 template <typename T>
@@ -248,6 +248,9 @@ __device__ __forceinline__ void higgs_load(HiggsSlot& s, long long sh, const lon
         if (g < loads) {
             s.words[it] = src[g];
             s.norm[it] = to_f32(sc[g / per_vec]);
+        } else {  // decoded as zeros by lanes without a vector (they still join the shuffles)
+            s.words[it] = make_uint4(0u, 0u, 0u, 0u);
+            s.norm[it] = 0.f;
         }
     }
 }
@@ -299,6 +302,7 @@ __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long 
                                                           long long scale_row_stride, long long scale_head_stride,
                                                           int c, int D, const float* grid, const float* signs,
                                                           long long total) {
+    if (D < 32 || D > 1024 || ((c * D) >> 5) > 32 * HIGGS_WARP_LOADS) return;  // served by the block kernel
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     long long sh = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -308,7 +312,7 @@ __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long 
     for (int i = 0; i < 32; ++i) sign_bits |= (signs[first + i] < 0.f ? 1u : 0u) << i;
     const float2* points = reinterpret_cast<const float2*>(grid);
     while (sh < total && !miss[sh]) sh += warps;
-    HiggsSlot cur, next;
+    HiggsSlot cur = {}, next = {};
     if (sh < total) {
         higgs_load(cur, sh, ids, host, row_map, row_stride, head_stride, Hkv, K, scales, scale_row_stride,
                    scale_head_stride, c, D, lane);

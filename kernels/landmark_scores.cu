@@ -12,8 +12,8 @@
 #define LS_THREADS 512
 #define LS_MAX_G 16
 
-/// \brief `merge_state` (common.cuh) with the accurate exp: the scores are compared with PyTorch's softmax, and the
-/// block merges 16 warps' states in five rounds of shuffles.
+/// \brief `merge_state` (common.cuh) with the accurate exp: the scores are compared with PyTorch's softmax, and each
+/// head's state is merged over a warp's lanes (five rounds of shuffles), then over the block's warps.
 __device__ __forceinline__ void merge_exact(float& m, float& s, float m2, float s2) {
     if (m2 == NEG_INF) return;
     if (m == NEG_INF) {
@@ -83,7 +83,8 @@ __device__ __forceinline__ void landmark_scores(float* scores, const T* logits, 
         float best = NEG_INF;
         if (sel[c]) {
             for (int g = 0; g < G; ++g) {
-                best = fmaxf(best, expf(to_f32(lgt[g * lg + c * lc]) - head_max[g]) / head_sum[g]);
+                const float p = expf(to_f32(lgt[g * lg + c * lc]) - head_max[g]) / head_sum[g];
+                best = (p > best || p != p) ? p : best;  // NaN wins, as in PyTorch's amax (fmaxf would drop it)
             }
         }
         out[c] = best;

@@ -266,9 +266,9 @@ def test_gather_values_higgs4_kernel_matches_twin(dtype, rows, heads, slots, chu
     assert bool(((got.float() - ref.float()).abs() <= eps * scale).all())
 
 
-@pytest.mark.parametrize("value_format", ["native", "fp8", "higgs4"])
+@pytest.mark.parametrize("value_format", ["native", "higgs4"])
 def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value_format):
-    """The kernels stride over the slots: a grid of one block (one SM's share, here forced) fetches them all."""
+    """The native and higgs4 kernels stride over the slots: a grid of one block (forced) fetches them all."""
     import shadowkv_cache.ops.gather_values as module
 
     monkeypatch.setattr(module, "FETCH_BLOCKS_PER_SM", 1e-6)
@@ -283,6 +283,25 @@ def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value
         assert bool(((got.float() - ref.float()).abs() <= torch.finfo(torch.bfloat16).eps * scale).all())
     else:
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("c, dim", [(8, 128), (8, 64), (16, 128), (3, 32), (8, 256)])
+def test_gather_values_higgs4_warp_kernel_gives_the_block_kernels_bits(monkeypatch, dtype, c, dim):
+    """One warp per slot (registers and shuffles) and one block per slot (shared memory) pair the same butterflies in
+    the same order and scale alike: the same bits."""
+    import shadowkv_cache.ops.gather_values as module
+
+    data = torch.randn(2, 3, 40, c, dim) * torch.exp(torch.randn(2, 3, 40, c, 1))
+    store = HostValueStore.offload(data.to(dtype).cuda(), pin=True, value_format="higgs4")
+    store = store.select_rows(torch.tensor([1, 0, 1]))
+    torch.manual_seed(0)
+    warp, _, miss = gather_by_kernel_and_twin(store, 3, 32, 40, c, dim, dtype)
+    monkeypatch.setattr(module, "_warp_fits", lambda values, c, dim: False)
+    torch.manual_seed(0)  # the same slots, misses and starting values
+    block, _, miss_again = gather_by_kernel_and_twin(store, 3, 32, 40, c, dim, dtype)
+    assert torch.equal(miss, miss_again) and miss.any()
+    assert torch.equal(warp, block)
 
 
 def landmark_logits_in(layout: str, batch: int, heads: int, group: int, chunks: int, dtype, gen) -> torch.Tensor:

@@ -312,3 +312,21 @@ def test_landmark_scores_are_the_masked_softmax_summed_over_tokens_and_maxed_ove
     assert torch.equal(got[some], want[some])
     masked = want.masked_fill(~selectable, float("-inf"))
     assert torch.equal(policy.masked_scores(query, state, selectable, SCALING), masked)
+
+
+def test_a_landmark_subclass_that_scores_otherwise_is_ranked_by_its_own_scores():
+    """`LandmarkTopK.masked_scores` takes its one-op path only for its own `score`; a subclass's `score` is masked and
+    ranked as the base class does."""
+
+    class Reversed(LandmarkTopK):
+        def score(self, query, state, selectable, scaling):
+            return -super().score(query, state, selectable, scaling)
+
+    gen = torch.Generator().manual_seed(0)
+    policy = Reversed()
+    state = policy.prepare(torch.randn(B, HKV, 40, CS, D, generator=gen))
+    query = torch.randn(B, HQ, 1, D, generator=gen)
+    selectable = torch.rand(B, HKV, 40, generator=gen) < 0.6
+    got = policy.masked_scores(query, state, selectable, SCALING)
+    want = torch.where(selectable, -LandmarkTopK().score(query, state, selectable, SCALING), float("-inf"))
+    assert torch.equal(got, want)

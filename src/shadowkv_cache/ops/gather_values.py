@@ -9,10 +9,10 @@ quantised store's block (codes plus its `c` scales) is decoded on the way into t
 bytes cross PCIe. Otherwise the twin indexes the store on the host, copies and decodes with the codec
 (`stores/value_codecs.py`, the definition).
 
-The kernels stride over the slots with at most `FETCH_BLOCKS_PER_SM` blocks per SM, hits skipped. The fetch is
-bound by PCIe, and the temporal cache runs it on a side stream beside the key rebuild: a grid of one block per
-slot (tens of thousands at batch 32) would fill every SM until its last block started, and the rebuild would
-wait behind it (docs/design.md, "The decode step").
+The kernels stride over the slots, hits skipped; the native and higgs4 ones with at most `FETCH_BLOCKS_PER_SM`
+blocks per SM. The fetch is bound by PCIe, and the temporal cache runs it on a side stream beside the key rebuild: a
+grid of one block per slot (tens of thousands at batch 32) fills every SM until its last block starts, and the
+rebuild waits behind it (docs/design.md, "The decode step").
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ __all__ = ["gather_values", "gather_values_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in (c=8, D=128 needs 4 KiB)
-# Blocks of 128 threads per SM at most. One keeps enough reads in flight to fill PCIe (a block reads a whole
-# chunk at a time; the higgs4 warp kernel reads two slots ahead per warp) and leaves most of each SM to the rebuild.
+# Blocks of 128 threads per SM at most, for the kernels that keep enough PCIe reads in flight with a few blocks: the
+# native copy (a block reads a whole chunk with one 16-byte load per thread) and the higgs4 warp kernel (each warp
+# reads its next slot while it decodes the current one). Half a block per SM gave the shortest batch-32 step at 128K
+# on an H200 machine (docs/results.md). The fp8 kernel and the general higgs4 kernel read a slot's scales, wait at a
+# barrier, then read its codes: two round trips per slot, so they keep one block per slot (not re-measured).
 FETCH_BLOCKS_PER_SM = 0.5
 HIGGS_WARPS_PER_BLOCK = 4  # the higgs4 warp kernel's block: at most 8 warps (its launch bounds)
 
@@ -113,7 +116,7 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
         args += list(store.codec.tables(values.device))
     kernels.launch(
         name,
-        grid=_grid(values.device, total[0]),
+        grid=(total[0], 1, 1),  # one block per slot: see FETCH_BLOCKS_PER_SM
         block=(128, 1, 1),
         args=[*args, total],
         shared_bytes=_shared_bytes(store.codec.name, c, dim),
@@ -132,7 +135,7 @@ def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, 
 
 
 def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:
-    """`blocks` (of 128 threads), but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
+    """`blocks`, but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (max(1, min(blocks, int(multiprocessors(index) * FETCH_BLOCKS_PER_SM))), 1, 1)
 

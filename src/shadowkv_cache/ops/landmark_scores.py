@@ -5,9 +5,13 @@ Legend: B batch, Hkv KV heads, G query heads per KV head, T query tokens, C chun
 
 `softmax_group_max` is the definition (PyTorch). `landmark_scores` is what selection ranks by: the same, with -inf
 where a chunk is not selectable. On CUDA a one-token step of enough rows runs `kernels/landmark_scores.cu`, which
-reads the logits in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's transposed
-copy, mask, conversion to fp32, softmax, max and second mask (~8 ms of a 52 ms step at batch 32 and 128K on an H200
-machine, 3.1 ms with the kernel; `benchmarks/profile_decode.py`); otherwise the twin runs.
+reads the logits in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's passes (a
+mask, which also copies the strided view, a conversion to fp32, a softmax, a max and a second mask; with the
+transposed copy the GEMM's output took before, ~8 ms of a 52 ms step at batch 32 and 128K on an H200 machine, 3.1 ms
+with the kernel; `benchmarks/profile_decode.py`); otherwise the twin runs.
+
+The two differ only on logits that are not finite (fp16 overflow): NaN spreads over a head's scores in both, but a
+head whose selectable logits are all -inf scores -inf in the kernel and 0 in the twin.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ __all__ = ["landmark_scores", "landmark_scores_reference", "softmax_group_max"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _MAX_GROUP = 16  # LS_MAX_G in the kernel
+_THREADS = 512  # LS_THREADS in the kernel, which strides and merges warps by it
 # The kernel runs one block per (row, KV head). With fewer of them than this share of the SMs it leaves most of the
 # GPU idle, and PyTorch's kernels, which split each row over many blocks, are faster: on an H200 machine at 128K
 # the kernel took 2.05 ms of a batch-1 step (8 blocks; the twin's kernels ~1 ms) and 3.1 ms of a batch-32 step (256
@@ -57,6 +62,7 @@ def landmark_scores(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Ten
     if not _kernel_fits(logits, selectable):
         return landmark_scores_reference(logits, selectable)
     batch, heads, group, _, chunks = logits.shape
+    selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
     lb, lh, lg, _, lc = logits.stride()
     sb, sh, _ = selectable.stride()
@@ -64,7 +70,7 @@ def landmark_scores(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Ten
     load_kernels("landmark_scores", logits.device).launch(
         f"landmark_scores_{_KERNEL_DTYPES[logits.dtype]}",
         grid=(heads, batch, 1),
-        block=(512, 1, 1),
+        block=(_THREADS, 1, 1),
         args=[scores, logits, selectable, (lb, i64), (lh, i64), (lg, i64), (lc, i64), (sb, i64), (sh, i64),
               (heads, ctypes.c_int), (group, ctypes.c_int), (chunks, ctypes.c_int)],
     )  # fmt: skip

@@ -36,7 +36,8 @@ class LandmarkTopK(SelectionPolicy):
         scaling: float,
         query_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if query_mask is not None:
+        # A subclass that scores otherwise keeps the base class's masking of its own `score`.
+        if query_mask is not None or type(self).score is not LandmarkTopK.score:
             return super().masked_scores(query, state, selectable, scaling, query_mask)
         # The masked scores in one op: on CUDA one kernel over the GEMM's output as it lies (ops/landmark_scores.py).
         return landmark_scores(self._logits(query, state, scaling), selectable)
