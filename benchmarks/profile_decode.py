@@ -12,6 +12,8 @@ Markdown, plot) with the profiler's top kernels of the last configuration.
 
 python -m benchmarks.profile_decode --context 131072 --batch 1,8,32 --graphs step,layer --name decode_graphs_128k
 python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv --h 0.55
+python -m benchmarks.profile_decode --context 131072 --batch 32 --value-format higgs4 --no-profile \
+    --fetch-blocks-per-sm 1
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+import shadowkv_cache.ops.gather_values as gather_values
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, log
 from shadowkv_cache import ShadowKVConfig
@@ -64,8 +67,14 @@ def main() -> None:
     p.add_argument("--value-format", default="native")
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
+    p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
+                   help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
     add_results_dir_option(p)
     args = p.parse_args()
+    if args.fetch_blocks_per_sm is not None:
+        if args.fetch_blocks_per_sm <= 0:
+            p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
+        gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
     modes = ["none"] if args.no_graphs else args.graphs.split(",")
     if set(modes) - set(GRAPH_MODES):
         p.error(f"--graphs takes {GRAPH_MODES}, got {args.graphs}")
