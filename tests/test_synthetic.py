@@ -83,7 +83,7 @@ def expected_device_bytes(config: ShadowKVConfig) -> int:
     prompt = B * n * c * r * f + B * r * hkv * d * f + B * n * c * i64  # a, b, positions
     prompt += B * hkv * n * d * f + B * hkv * n + B * i64  # landmarks, selectable, budget
     prompt += 2 * B * hkv * o * c * d * f + B * o * c + local  # outliers, local window
-    temporal = B * hkv * k * i64 + 2 * B * hkv * k * c * d * f  # ids, keys, values
+    temporal = B * hkv * k * i64 + 2 * B * hkv * k * c * d * f + B * hkv * k  # ids, keys, values, valid slots
     return prompt + temporal
 
 

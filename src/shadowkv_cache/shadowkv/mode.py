@@ -117,12 +117,9 @@ class ShadowKVMode:
                 self.temporal = TemporalCache.empty(prompt, prompt.max_budget_chunks)
             temporal = self.temporal
             slots = prompt.max_budget_chunks
-            heads = prompt.selectable.shape[1]
-            valid = torch.arange(slots, device=query.device) < prompt.budget_chunks[:, None, None]  # [B, 1, K]
-            valid = valid.expand(-1, heads, -1)
             if slots:  # with every chunk an outlier there is nothing to select
                 wanted = self.policy.select(query, prompt.policy_state, prompt.selectable, slots, scaling, query_mask)
-                temporal.refresh(wanted, valid, prompt, self.rope)
+                temporal.refresh(wanted, prompt, self.rope)
             chunk_keys, chunk_values = temporal.keys.flatten(2, 3), temporal.values.flatten(2, 3)
             chunk_valid = temporal.held.repeat_interleave(prompt.chunk_size, dim=-1)
         parts = [

@@ -34,11 +34,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class TemporalCache:
-    """Selected chunks of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, c, D]`."""
+    """Selected chunks of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, c, D]`, and
+    which slots each row's budget uses, `valid` `[B, Hkv, K]` bool (the first `budget_chunks[row]` of every head)."""
 
-    def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
         self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
-        # Counted on the device so that statistics never force a host synchronisation.
+        self.valid = valid.contiguous()
+        # Counted on the device so that statistics never force a host synchronisation. Every step looks up the same
+        # number of chunks, so that count is taken once: per step the counters cost one reduction (the misses).
+        self._lookups_per_step = self.valid.sum()
         self.hits = torch.zeros((), dtype=torch.int64, device=ids.device)
         self.lookups = torch.zeros((), dtype=torch.int64, device=ids.device)
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -50,20 +54,21 @@ class TemporalCache:
         like = prompt.outlier_keys
         ids = torch.full((batch, heads, num_slots), -1, dtype=torch.int64, device=like.device)
         zeros = like.new_zeros((batch, heads, num_slots, c, d))
-        return cls(ids, zeros, zeros.clone())
+        valid = torch.arange(num_slots, device=like.device) < prompt.budget_chunks.to(like.device)[:, None, None]
+        return cls(ids, zeros, zeros.clone(), valid.expand(batch, heads, num_slots))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values))
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values, self.valid))
 
     @property
     def held(self) -> torch.Tensor:
         """`[B, Hkv, K]` bool: slots that hold a chunk (the attention mask of the selected part)."""
         return self.ids >= 0
 
-    def refresh(self, wanted: torch.Tensor, valid: torch.Tensor, prompt: CompressedPrompt, rope: RopeFn) -> None:
+    def refresh(self, wanted: torch.Tensor, prompt: CompressedPrompt, rope: RopeFn) -> None:
         """Hold the chunks `wanted` (`[B, Hkv, K]`, where `valid`): keep hits, rebuild and fetch misses."""
-        self.ids, miss = temporal_scan(self.ids, wanted, valid)
+        self.ids, miss = temporal_scan(self.ids, wanted, self.valid)
         if self.keys.is_cuda:
             main = torch.cuda.current_stream(self.keys.device)
             side = _side_stream(self.keys.device)
@@ -87,10 +92,10 @@ class TemporalCache:
         else:
             gather_values(self.values, self.ids, miss, prompt.values)
             rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
-        self.hits += (valid.sum() - miss.sum()).clamp(min=0)
-        self.lookups += valid.sum()
+        self.hits += self._lookups_per_step - miss.sum()  # misses are taken only in valid slots
+        self.lookups += self._lookups_per_step
 
     def select_rows(self, index: torch.Tensor) -> TemporalCache:
-        out = TemporalCache(self.ids[index], self.keys[index], self.values[index])
+        out = TemporalCache(self.ids[index], self.keys[index], self.values[index], self.valid[index])
         out.hits, out.lookups = self.hits, self.lookups
         return out
