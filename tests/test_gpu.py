@@ -315,3 +315,23 @@ def test_yakv_prefill_batch_on_cuda():
             rtol=1e-4,
             atol=1e-4,
         )
+
+
+@pytest.mark.parametrize("rows, chunks, k", [(8, 16380, 256), (16, 8190, 128), (3, 1000, 24)])
+def test_few_short_rows_select_as_topk_does_on_cuda(rows, chunks, k):
+    """Batch 1 at 128K (8 rows of 16K chunks) takes the two-stage top-k on CUDA: torch.topk's scores, best first, and
+    its indices (random scores do not tie); also inside a CUDA graph."""
+    from shadowkv_cache.policies.base import best_indices
+
+    scores = torch.randn(1, rows, chunks, device="cuda")
+    scores[..., ::5] = float("-inf")
+    want = scores.topk(k, dim=-1)
+    got = best_indices(scores, k)
+    assert torch.equal(scores.gather(-1, got), want.values) and torch.equal(got, want.indices)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = best_indices(scores, k)
+    scores.copy_(torch.randn_like(scores))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, scores.topk(k, dim=-1).indices)

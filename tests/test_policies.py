@@ -22,6 +22,8 @@ from helpers import (
     small_budget_overrides,
     tiny_model,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.methods import METHODS, MODE_CHANGES, PolicyBundle, fork_cache
 from benchmarks.selection_probe import SelectionProbe
@@ -330,3 +332,38 @@ def test_a_landmark_subclass_that_scores_otherwise_is_ranked_by_its_own_scores()
     got = policy.masked_scores(query, state, selectable, SCALING)
     want = torch.where(selectable, -LandmarkTopK().score(query, state, selectable, SCALING), float("-inf"))
     assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    k=st.integers(1, 40),
+    parts=st.integers(2, 9),
+    rest=st.integers(0, 50),
+    masked=st.floats(0.0, 0.95),
+    seed=st.integers(0, 2**16),
+)
+def test_two_stage_topk_is_topk(rows, k, parts, rest, masked, seed):
+    """The top k of each part, then the top k of those and the scores past the last part: torch.topk's scores, best
+    first, at distinct in-range indices; the same indices where no two scores tie (-inf marks unselectable units)."""
+    from shadowkv_cache.policies.base import two_stage_topk
+
+    part = k + seed % (2 * k + 1)  # k <= part
+    n = parts * part + rest
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, 3, n, generator=gen)
+    scores[torch.rand(rows, 3, n, generator=gen) < masked] = float("-inf")
+    got = two_stage_topk(scores, k, part)
+    want = scores.topk(k, dim=-1)
+    assert got.shape == (rows, 3, k) and bool(((got >= 0) & (got < n)).all())
+    assert torch.equal(scores.gather(-1, got), want.values)
+    assert bool((got.sort(-1).values.diff(dim=-1) > 0).all())  # distinct
+    finite = torch.isfinite(want.values).all(-1)
+    assert torch.equal(got[finite].sort(-1).values, want.indices[finite].sort(-1).values)
+
+
+def test_best_indices_is_topk_off_cuda():
+    from shadowkv_cache.policies.base import best_indices
+
+    scores = torch.randn(1, 8, 16384)
+    assert torch.equal(best_indices(scores, 256), scores.topk(256, dim=-1).indices)
