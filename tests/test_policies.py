@@ -367,3 +367,16 @@ def test_best_indices_is_topk_off_cuda():
 
     scores = torch.randn(1, 8, 16384)
     assert torch.equal(best_indices(scores, 256), scores.topk(256, dim=-1).indices)
+    assert best_indices(scores, 0).shape == (1, 8, 0)
+
+
+def test_two_stage_topk_with_the_dispatch_part_and_tied_scores():
+    """`best_indices` cuts rows into parts of 4k; with many tied scores the units taken may differ from torch.topk's,
+    the scores never."""
+    from shadowkv_cache.policies.base import two_stage_topk
+
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 50, (2, 8, 16380), generator=gen).float()  # ties everywhere
+    got = two_stage_topk(scores, 256, 4 * 256)
+    assert torch.equal(scores.gather(-1, got), scores.topk(256, dim=-1).values)
+    assert bool((got.sort(-1).values.diff(dim=-1) > 0).all())

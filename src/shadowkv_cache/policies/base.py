@@ -28,12 +28,13 @@ def grouped_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices `[..., k]` of the `k` largest of `scores` `[..., N]`, best first: `torch.topk`'s (up to the order of
-    equal scores). On CUDA, few rows shorter than torch.topk's multi-block size go through `two_stage_topk`."""
+    """Indices `[..., k]` of the `k` largest of `scores` `[..., N]`, best first: `torch.topk`'s, up to which of equally
+    scored units are taken and their order. On CUDA, few rows shorter than torch.topk's multi-block size go through
+    `two_stage_topk`."""
     n = scores.shape[-1]
     rows = scores.numel() // max(n, 1)
     part = 4 * k
-    if scores.is_cuda and 0 < rows <= _FEW_ROWS and 2 * part <= n < _SHORT_ROW:
+    if scores.is_cuda and k > 0 and 0 < rows <= _FEW_ROWS and 2 * part <= n < _SHORT_ROW:
         return two_stage_topk(scores, k, part)
     return scores.topk(k, dim=-1).indices
 

@@ -67,7 +67,8 @@ class TemporalCache:
         return self.ids >= 0
 
     def refresh(self, wanted: torch.Tensor, prompt: CompressedPrompt, rope: RopeFn) -> None:
-        """Hold the chunks `wanted` (`[B, Hkv, K]`, where `valid`): keep hits, rebuild and fetch misses."""
+        """Hold the chunks `wanted` (`[B, Hkv, K]`, the entries where `self.valid` count): keep hits, rebuild and fetch
+        misses."""
         self.ids, miss = temporal_scan(self.ids, wanted, self.valid)
         if self.keys.is_cuda:
             main = torch.cuda.current_stream(self.keys.device)
@@ -92,7 +93,7 @@ class TemporalCache:
         else:
             gather_values(self.values, self.ids, miss, prompt.values)
             rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
-        self.hits += self._lookups_per_step - miss.sum()  # misses are taken only in valid slots
+        self.hits += self._lookups_per_step - miss.sum()  # a head misses at most its valid wanted entries
         self.lookups += self._lookups_per_step
 
     def select_rows(self, index: torch.Tensor) -> TemporalCache:
