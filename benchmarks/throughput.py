@@ -16,7 +16,8 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
    pinned host memory) up to the host budget. As for ShadowKV, the selection keeps a share of the previous step's
    tokens by construction (`--yakv-h`), which sets the records a step fetches.
 4. at batch `--generate-batch` (8; 0 skips it): DynamicCache and ShadowKV through an unchanged `model.generate`
-   next to raw forwards on a like cache (fill "synthetic, generate"; the note gives the ratio).
+   next to raw forwards on a like cache, `--generate-repeats` times in turn (fill "synthetic, generate"; the median
+   is recorded, the note gives the ratio and its spread).
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
 ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
@@ -75,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")
     p.add_argument("--methods", default="dynamic,static,shadowkv", help="which sweeps to run (also: yakv)")
     p.add_argument("--generate-batch", type=int, default=8, help="batch of the generate-vs-forward runs (0: none)")
+    p.add_argument("--generate-repeats", type=int, default=3,
+                   help="interleaved forward and generate timings per method; the median is recorded")  # fmt: skip
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
@@ -86,6 +89,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.generate_repeats < 1:
+        raise SystemExit(f"--generate-repeats must be at least 1, got {args.generate_repeats}.")
     if args.replot:
         replot(args.replot, args.h_sweep, args.note)
         return

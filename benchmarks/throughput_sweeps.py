@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -288,19 +289,36 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
                     return fill_dynamic(model, batch, length)
                 return synthetic_cache(model, batch, length, fmt_config, hit_rate=args.h_sweep, host_blocks=blocks)
 
+            # Forward and generate timings alternate, so that a drift of the machine falls on both; the host work
+            # generate adds is ~1 ms a step and moved by half of that between runs, so one pair of timings says little.
+            forwards, steps = [], []
             try:
-                forward = decode(model, fresh_cache(), batch, args.warm, args.steps, device)
-                step = _generate_step_seconds(model, fresh_cache(), batch, length, args.warm, args.steps, device)
+                for _ in range(args.generate_repeats):
+                    forwards.append(decode(model, fresh_cache(), batch, args.warm, args.steps, device))
+                    steps.append(_generate_step_seconds(model, fresh_cache(), batch, length, args.warm, args.steps,
+                                                        device))  # fmt: skip
             except torch.OutOfMemoryError:
                 log(f"generate {length} {method} batch {batch}: out of GPU memory")
                 free(device)
                 continue
+            step = statistics.median(steps)
             value_format = fmt_config.value_format if method == "shadowkv" else None
             run.rec.add(dict(context=length, method=method, value_format=value_format, fill="synthetic, generate",
                              batch=batch, h_target=args.h_sweep if method == "shadowkv" else None, tok_s=batch / step,
-                             step_ms=step * 1e3, note=f"raw forwards {forward * 1e3:.2f} ms/step "
-                             f"({batch / forward:.1f} tok/s): generate/forward = {step / forward:.3f}"))  # fmt: skip
+                             step_ms=step * 1e3, note=generate_note(forwards, steps, batch)))  # fmt: skip
             free(device)
+
+
+def generate_note(forwards: list[float], steps: list[float], batch: int) -> str:
+    """The note of a generate row: the raw forwards' median step, and generate/forward as the median of the ratios of
+    the timings made in turn, with each ratio when there are several."""
+    forward = statistics.median(forwards)
+    ratios = sorted(s / f for s, f in zip(steps, forwards))
+    note = (f"raw forwards {forward * 1e3:.2f} ms/step ({batch / forward:.1f} tok/s): "
+            f"generate/forward = {statistics.median(ratios):.3f}")  # fmt: skip
+    if len(ratios) > 1:
+        note += f" (median of {len(ratios)} in turn: {', '.join(f'{r:.3f}' for r in ratios)})"
+    return note
 
 
 class _StepTimes:
