@@ -9,10 +9,10 @@ quantised store's block (codes plus its `c` scales) is decoded on the way into t
 bytes cross PCIe. Otherwise the twin indexes the store on the host, copies and decodes with the codec
 (`stores/value_codecs.py`, the definition).
 
-The kernels stride over the slots, hits skipped; the native and higgs4 ones with at most `FETCH_BLOCKS_PER_SM`
-blocks per SM. The fetch is bound by PCIe, and the temporal cache runs it on a side stream beside the key rebuild: a
-grid of one block per slot (tens of thousands at batch 32) fills every SM until its last block starts, and the
-rebuild waits behind it (docs/design.md, "The decode step").
+The kernels stride over the slots, hits skipped; the native copy and the higgs4 warp kernel with at most
+`FETCH_BLOCKS_PER_SM` blocks per SM. The fetch is bound by PCIe, and the temporal cache runs it on a side stream
+beside the key rebuild: a grid of one block per slot (tens of thousands at batch 32) fills every SM until its last
+block starts, and the rebuild waits behind it (docs/design.md, "The decode step").
 """
 
 from __future__ import annotations
