@@ -455,7 +455,7 @@ def test_attend_parts_splits_cover_every_slot_once(total, blocks, sms, tile):
     from shadowkv_cache.ops import attend_parts as op
 
     original = op.multiprocessors
-    op.multiprocessors = lambda index: sms
+    op.multiprocessors = lambda device: sms
     try:
         splits, span = op._splits(total, blocks, tile, torch.device("cuda", 0))
     finally:
@@ -514,8 +514,7 @@ def test_landmark_scores_kernel_serves_one_token_steps_with_enough_rows(monkeypa
     from shadowkv_cache.ops import landmark_scores as op
 
     monkeypatch.setattr(op, "kernels_available", lambda device: True)
-    monkeypatch.setattr(op, "multiprocessors", lambda index: 132)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(op, "multiprocessors", lambda device: 132)
 
     def fits(batch=32, heads=8, group=4, tokens=1, chunks=100, strided_mask=False):
         logits = torch.zeros(batch, heads, group, tokens, chunks, dtype=torch.bfloat16)  # shapes, strides, dtypes only

@@ -152,8 +152,7 @@ def _splits(total: int, blocks: int, tile: int, device: torch.device) -> tuple[i
     """(S, slots per split, a multiple of `tile`): about `_BLOCKS_PER_SM` blocks per multiprocessor, a tile each at
     least (each block's tiles run one after another, so more splits are more loads in flight)."""
     tiles = -(-total // tile)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = -(-_BLOCKS_PER_SM * multiprocessors(index) // blocks)
+    wanted = -(-_BLOCKS_PER_SM * multiprocessors(device) // blocks)
     per_split = -(-tiles // max(1, min(tiles, wanted)))
     span = per_split * tile
     return -(-total // span), span

@@ -136,8 +136,7 @@ def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, 
 
 def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:
     """`blocks`, but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (max(1, min(blocks, int(multiprocessors(index) * FETCH_BLOCKS_PER_SM))), 1, 1)
+    return (max(1, min(blocks, int(multiprocessors(device) * FETCH_BLOCKS_PER_SM))), 1, 1)
 
 
 def _warp_fits(values: torch.Tensor, c: int, dim: int) -> bool:

@@ -83,9 +83,8 @@ def _kernel_fits(logits: torch.Tensor, selectable: torch.Tensor) -> bool:
     batch, heads, group, steps, chunks = logits.shape
     if not kernels_available(logits.device):
         return False
-    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     return (
-        batch * heads >= MIN_BLOCKS_PER_SM * multiprocessors(index)
+        batch * heads >= MIN_BLOCKS_PER_SM * multiprocessors(logits.device)
         and steps == 1
         and 0 < group <= _MAX_GROUP
         and logits.dtype in _KERNEL_DTYPES

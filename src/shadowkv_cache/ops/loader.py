@@ -297,7 +297,12 @@ def host_device_pointer(tensor: torch.Tensor, device: torch.device) -> int:
     return int(_check(pointer, "cuMemHostGetDevicePointer (pinned?)"))
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The SM count of CUDA `device` (no index: the current one), for grids sized to the machine (split attention,
+    the value fetch, the landmark scores)."""
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def multiprocessors(index: int) -> int:
-    """The SM count of CUDA device `index` (grids sized to the machine: split attention, the value fetch)."""
+def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

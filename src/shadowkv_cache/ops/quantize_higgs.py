@@ -11,13 +11,12 @@ norm.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 
 import torch
 
 from ..quant import HiggsQuantizer, QuantizedVectors
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["quantize_vectors", "quantize_vectors_reference", "vector_strides"]
 
@@ -54,11 +53,6 @@ def vector_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
     return inner, outer_stride, inner_stride
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVectors:
     """Codes `[..., M]` uint8 and norms `[...]` fp16 of `x` `[..., D]`, as `quantizer.quantize(x)` defines them.
 
@@ -88,11 +82,10 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
         strides = vector_strides(x)
     inner, outer_stride, inner_stride = strides
     grid, signs = quantizer.device_tables(x.device)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     load_kernels("quantize_higgs", x.device).launch(
         f"quantize_higgs_{_KERNEL_DTYPES[x.dtype]}_p{quantizer.grid_dim}",
-        grid=(min(-(-n // _WARPS), _BLOCKS_PER_SM * _sm_count(index)), 1, 1),
+        grid=(min(-(-n // _WARPS), _BLOCKS_PER_SM * multiprocessors(x.device)), 1, 1),
         block=(32 * _WARPS, 1, 1),
         args=[
             codes,
