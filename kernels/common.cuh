@@ -71,6 +71,40 @@ __device__ __forceinline__ int block_exclusive_scan(int* data, int n, int* warp_
     return total;
 }
 
+// ---- fp16 tensor-core operands (score_codes.cu, landmark_logits.cu) ---------------------------------------------
+
+__device__ __forceinline__ unsigned short f16_bits(float f) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float f16_value(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+/// \brief Two fp16 values in one register, `lo` in the low half (the MMA operands' element order).
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    return (unsigned)f16_bits(lo) | ((unsigned)f16_bits(hi) << 16);
+}
+
+/// \brief c += a . b over one m16n8k16 tile (fp16 operands, fp32 accumulators).
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // the ops send only sm_80+ here
+#endif
+}
+
+/// \brief 2^k as float32, exactly, for k in [-126, 127].
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
+
 // ---- softmax states (score_codes.cu, softmax_group_max.cu) ------------------------------------------------------
 
 #define NEG_INF __int_as_float(0xff800000u)

@@ -202,37 +202,6 @@ CODE_LOGITS_ALL_G(8)
 #define MMA_COPIES 16  // copies of the grid in shared memory, one per lane of a half-warp: no bank conflicts
 #define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN
 
-__device__ __forceinline__ unsigned short f16_bits(float f) {
-    unsigned short r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
-__device__ __forceinline__ float f16_value(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-/// \brief Two fp16 values in one register, `lo` in the low half (the MMA operands' element order).
-__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-    return (unsigned)f16_bits(lo) | ((unsigned)f16_bits(hi) << 16);
-}
-
-/// \brief c += a . b over one m16n8k16 tile (fp16 operands, fp32 accumulators).
-__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // score_codes.py sends only sm_80+ here
-#endif
-}
-
-/// \brief 2^k as float32, exactly, for k in [-126, 127].
-__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
-
 /// \brief Add two logits to a softmax state (max, sum of exp); -inf logits add nothing.
 __device__ __forceinline__ void add_two(float& m, float& s, float a, float b) {
     const float hi = fmaxf(m, fmaxf(a, b));
