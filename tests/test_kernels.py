@@ -15,12 +15,15 @@ from test_kernel_twins import ROPE_LAYOUTS, random_scan_case
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
+from shadowkv_cache.core.landmarks import quantize_landmarks
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
+from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_logits_int8_reference
 from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
+from shadowkv_cache.policies import LandmarkTopK
 from shadowkv_cache.stores.value_store import HostValueStore
 
 pytestmark = [
@@ -362,6 +365,93 @@ def test_landmark_scores_kernel_replays_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     want = landmark_scores_reference(logits, selectable)
     torch.testing.assert_close(out[selectable], want[selectable], rtol=1e-5, atol=1e-9)
+
+
+def int8_landmark_case(batch, heads, group, chunks, dim, dtype, shared, seed):
+    """int8 landmarks of varied sizes (a zero landmark first: a padding chunk) and a strided query `[B, Hkv, G, 1, D]`
+    whose heads span many orders of magnitude (bf16: 1e-6 to 1e6, beyond fp16's range; fp16: 1e-3 to 1e2)."""
+    gen = torch.Generator().manual_seed(seed)
+    landmarks = torch.randn(1 if shared else batch, heads, chunks, dim, generator=gen)
+    landmarks = landmarks * torch.exp(2 * torch.randn(*landmarks.shape[:-1], 1, generator=gen))
+    landmarks[:, :, 0] = 0
+    codes, scales = quantize_landmarks(landmarks)
+    query = torch.randn(batch, heads, group + 1, 1, dim, generator=gen)[:, :, :group]  # strided over the group
+    wide = (-6.0, 6.0) if dtype == torch.bfloat16 else (-3.0, 2.0)
+    exponent = torch.empty(batch, heads, group, 1, 1).uniform_(*wide, generator=gen)
+    query = (query * 10**exponent).to(dtype)
+    return query.to(CUDA), codes.to(CUDA), scales.to(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    "batch, heads, group, chunks, shared",
+    [(3, 8, 4, 5000, False), (2, 2, 1, 37, False), (1, 3, 7, 2049, False), (4, 2, 8, 300, True), (2, 1, 4, 5, False)],
+)
+def test_landmark_logits_int8_kernel_matches_twin(dtype, dim, batch, heads, group, chunks, shared):
+    """Exact products, fp32 sums in another order, then the query dtype's rounding: within one rounding of the
+    exact logits (fp64) plus fp32's summation error, and as close to the twin."""
+    query, codes, scales = int8_landmark_case(batch, heads, group, chunks, dim, dtype, shared, chunks + dim + group)
+    assert op_fits(query, codes, scales)
+    got = landmark_logits_int8(query, codes, scales)
+    want = landmark_logits_int8_reference(query, codes, scales)
+    assert got.shape == want.shape == (batch, heads, group, 1, chunks) and got.dtype == dtype
+    landmarks = codes.double() * scales.double()[..., None]
+    exact = torch.matmul(query.double().squeeze(3), landmarks.transpose(-1, -2)).unsqueeze(3)
+    spread = torch.matmul(query.double().abs().squeeze(3), landmarks.abs().transpose(-1, -2)).unsqueeze(3)
+    bound = torch.finfo(dtype).eps * exact.abs() + 1e-6 * spread + torch.finfo(dtype).tiny
+    for logits in (got, want):
+        assert bool(((logits.double() - exact).abs() <= bound).all())
+    assert bool((got[:, :, :, :, 0] == 0).all())  # the zero landmark
+    assert bool(((got.double() - want.double()).abs() <= 2 * bound).all())
+
+
+def op_fits(query, codes, scales) -> bool:
+    from shadowkv_cache.ops import landmark_logits
+
+    return landmark_logits._kernel_fits(query, codes, scales)
+
+
+def test_landmark_logits_int8_kernel_replays_in_a_cuda_graph():
+    query, codes, scales = int8_landmark_case(4, 8, 4, 3000, 128, torch.bfloat16, False, 0)
+    landmark_logits_int8(query, codes, scales)  # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = landmark_logits_int8(query, codes, scales)
+    query.copy_(int8_landmark_case(4, 8, 4, 3000, 128, torch.bfloat16, False, 1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    want = landmark_logits_int8_reference(query, codes, scales)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_int8_landmarks_through_the_kernel_score_as_the_twin_and_change_nothing_at_full_budget(monkeypatch):
+    """A bf16 model whose head dim the kernel serves (64, GQA 2): the selection scores through the kernel equal the
+    twin's, and at full budget (every chunk selected) generate gives the tokens and logits of native landmarks."""
+    from helpers import full_budget_overrides, generate_with
+
+    model = make_tiny_model("llama", head_dim=64).to(CUDA, torch.bfloat16)
+    ids = random_prompt(301).to(CUDA)
+    policy = LandmarkTopK("int8")
+    cache = ShadowKVCache(model, policy=policy, **small_budget_overrides())
+    forward_with(model, ids, cache)
+    state, selectable = cache.layers[0].prompt.policy_state, cache.layers[0].prompt.selectable
+    query = torch.randn(1, model.config.num_attention_heads, 1, 64, device=CUDA, dtype=torch.bfloat16)
+    assert op_fits(query.view(1, model.config.num_key_value_heads, -1, 1, 64), state["landmark_codes"],
+                   state["landmark_scales"])  # fmt: skip
+    got = policy.masked_scores(query, state, selectable, 0.125)
+    monkeypatch.setenv("SHADOWKV_KERNELS", "0")
+    want = policy.masked_scores(query, state, selectable, 0.125)
+    monkeypatch.delenv("SHADOWKV_KERNELS")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-6)
+    full = full_budget_overrides(rank=model.config.num_key_value_heads * 64)
+    runs = {}
+    for fmt in ("native", "int8"):
+        cache = ShadowKVCache(model, policy=LandmarkTopK(fmt), **full)
+        runs[fmt] = generate_with(model, ids, cache, max_new_tokens=12)
+        assert cache.step_graphs.replays > 0 or not cache.config.cuda_graphs
+    assert torch.equal(runs["int8"].sequences, runs["native"].sequences)
+    assert torch.equal(torch.stack(runs["int8"].logits), torch.stack(runs["native"].logits))
 
 
 def compressed_cuda_cache(arch="llama", dtype=torch.float32, **changes):

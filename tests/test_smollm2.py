@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from shadowkv_cache import ShadowKVCache
+from shadowkv_cache import LandmarkTopK, ShadowKVCache
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -65,6 +65,17 @@ def test_default_budget_fidelity(smollm2, text_ids):
 
     fid = measure_fidelity(model, text_ids[:, : prompt + 48], prompt, make, greedy_tokens=16)
     print(f"SmolLM2 3K default-budget fidelity: {fid}")
+    assert fid.agreement >= FLOOR_AGREEMENT
+    assert fid.mean_kl <= CEIL_KL
+
+
+def test_int8_landmarks_keep_the_default_budget_fidelity(smollm2, text_ids):
+    """The same defaults with the landmarks in int8 (one scale per landmark): the same floors."""
+    model, _ = smollm2
+    prompt = 3072
+    make = lambda: ShadowKVCache(model, policy=LandmarkTopK("int8"), min_compress_len=2048)  # noqa: E731
+    fid = measure_fidelity(model, text_ids[:, : prompt + 48], prompt, make, greedy_tokens=16)
+    print(f"SmolLM2 3K default-budget fidelity, int8 landmarks: {fid}")
     assert fid.agreement >= FLOOR_AGREEMENT
     assert fid.mean_kl <= CEIL_KL
 

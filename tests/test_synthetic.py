@@ -212,8 +212,6 @@ def test_host_values_are_carved_from_the_given_blocks():
 
 
 def test_bad_requests_raise():
-    with pytest.raises(ValueError, match="either policy or hit_rate"):
-        synthetic_cache(model(), B, S, policy=LandmarkTopK(), hit_rate=0.5, **SETTINGS)
     with pytest.raises(ValueError, match="min_compress_len"):
         synthetic_cache(model(), B, 32, **SETTINGS)
     with pytest.raises(ValueError, match="hit_rate must be"):

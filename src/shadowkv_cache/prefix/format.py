@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -87,6 +88,18 @@ def policy_settings(policy: SelectionPolicy) -> dict:
         elif not name.startswith("_") and isinstance(value, plain):
             out[name] = value
     return out
+
+
+def settings_as_saved(saved: dict, policy: SelectionPolicy) -> dict:
+    """The settings a file records (`policy_settings` of the policy that wrote it), with the settings of `policy`'s
+    class that the file lacks at their defaults: a setting added after the file was written (`LandmarkTopK`'s
+    `landmark_format`) was then the default."""
+    current = policy_settings(policy)
+    params = inspect.signature(type(policy).__init__).parameters
+    defaults = {
+        name: p.default for name, p in params.items() if name in current and p.default is not inspect.Parameter.empty
+    }
+    return {**defaults, **saved}
 
 
 def yakv_quantizers(config: ShadowKVConfig, policy: SelectionPolicy, head_dim: int) -> dict[str, HiggsQuantizer]:

@@ -43,6 +43,7 @@ ST_DTYPES = {
     torch.bool: "BOOL",
     torch.uint8: "U8",  # 4-bit value codes, two per byte
     torch.float8_e4m3fn: "F8_E4M3",  # fp8 value codes
+    torch.int8: "I8",  # int8 landmark codes
 }
 DTYPES_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in ST_DTYPES}
 Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one stored tensor

@@ -32,6 +32,7 @@ from .format import (
     METADATA_KEY,
     OLDER_VERSIONS,
     policy_settings,
+    settings_as_saved,
     yakv_quantizers,
 )
 from .held_file import read_one_file
@@ -217,7 +218,7 @@ def _policy_specs(meta: dict, policy: SelectionPolicy, path: Path) -> dict[str, 
             f"{path} was prepared for the {saved['name']} selection policy, this load uses "
             f"{type(policy).__name__}; pass policy={saved['name']}() or prefill again."
         )
-    settings = _field(saved, "settings", dict, path)
+    settings = settings_as_saved(_field(saved, "settings", dict, path), policy)
     if settings != policy_settings(policy):
         raise PrefixCacheError(
             f"{path} was prepared by a {saved['name']} with other settings: "

@@ -90,14 +90,14 @@ def synthetic_cache(
     """A `ShadowKVCache` for `model` whose every layer holds a random compressed prompt of `context` tokens per row.
 
     ShadowKV mode (any `value_format`): per layer, factors `A` `[B, Tc, R]` and `B` `[B, R, Hkv, D]` (scaled so that
-    rebuilt keys have unit variance), landmarks `[B, Hkv, C, D]`, positions `[B, Tc]`, the first O chunks of each
-    head as outliers `[B, Hkv, O*c, D]`, a local window `[B, Hkv, W, D]` and host values `[R, Hkv, C, c, D]`
-    encoded in the value format. YAKV mode: ~2-bit scoring codes `[B, Hkv, N, D/p]` with norms `sqrt(D)` on the
-    device, a recent window `[B, Hkv, W, D]`, and host records `[R, Hkv, N, E]` of random codes with norms
-    `sqrt(D)` (well-formed vectors once dequantised). Every token is real; the budget is the resolved one. Host
-    rows differ from each other (one random row, rolled along the chunks), so a row that reads another's values
-    is caught. With `rank="auto"` the factors take the largest rank the config allows (`resolved.rank`), the rank a
-    real prefill picks for random keys, whose energy is spread evenly; pass `rank=` for another.
+    rebuilt keys have unit variance), landmarks `[B, Hkv, C, D]` in the policy's format, positions `[B, Tc]`, the
+    first O chunks of each head as outliers `[B, Hkv, O*c, D]`, a local window `[B, Hkv, W, D]` and host values
+    `[R, Hkv, C, c, D]` encoded in the value format. YAKV mode: ~2-bit scoring codes `[B, Hkv, N, D/p]` with norms
+    `sqrt(D)` on the device, a recent window `[B, Hkv, W, D]`, and host records `[R, Hkv, N, E]` of random codes
+    with norms `sqrt(D)` (well-formed vectors once dequantised). Every token is real; the budget is the resolved
+    one. Host rows differ from each other (one random row, rolled along the chunks), so a row that reads another's
+    values is caught. With `rank="auto"` the factors take the largest rank the config allows (`resolved.rank`), the
+    rank a real prefill picks for random keys, whose energy is spread evenly; pass `rank=` for another.
 
     The cache reports `S` tokens to `generate` (pass `S + 1` input ids: `generate` feeds the last one), and its
     `memory_report()` counts exactly these tensors (`layer_sizes(...).host_bytes_per_row` per stored row).
@@ -109,8 +109,8 @@ def synthetic_cache(
         context (`int`): S, prompt tokens per row (at least `min_compress_len`).
         config, policy, **overrides: as for `ShadowKVCache(model, ...)`. ShadowKV mode needs a `LandmarkTopK`
             (or subclass) policy, whose state is the landmarks; YAKV mode a `QuantizedKeyTopK`.
-        hit_rate (`float`, *optional*): select through `ControlledHitRate(hit_rate, <the mode's own policy>)`, so
-            that each step keeps this share of the previous step's chunks (YAKV: tokens), instead of `policy`.
+        hit_rate (`float`, *optional*): select through `ControlledHitRate(hit_rate, policy)` (`policy` defaults to
+            the mode's own), so that each step keeps this share of the previous step's chunks (YAKV: tokens).
         host_blocks (sequence of `torch.Tensor`, *optional*): one flat uint8 CPU tensor per layer (pinned for zero-copy
             fetches) that the layer's host store is carved from (payload first, scales 256-byte aligned after it);
             the default draws from the pinned pool on CUDA with `pin_memory`, else plain CPU memory.
@@ -120,10 +120,8 @@ def synthetic_cache(
     >>> cache = synthetic_cache(model, batch=32, context=131072, value_format="fp8", hit_rate=0.6)  # doctest: +SKIP
     >>> model(input_ids=token, past_key_values=cache)  # doctest: +SKIP
     """
-    if hit_rate is not None and policy is not None:
-        raise ValueError("Pass either policy or hit_rate, not both.")
     cache = ShadowKVCache(model, config, policy, **overrides)
-    if hit_rate is not None:  # the mode's own policy (as the config sets it), wrapped
+    if hit_rate is not None:  # `policy`, or the mode's own (as the config sets it), wrapped
         cache = ShadowKVCache(model, cache.config, ControlledHitRate(hit_rate, cache.policy))
     config = cache.config
     layers = cache.layers
@@ -225,7 +223,7 @@ def _shadowkv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dt
         a=torch.randn(batch, n * c, rank, device=device, dtype=dtype),
         b=torch.randn(batch, rank, hkv, d, device=device, dtype=dtype) / rank**0.5,
         positions=torch.arange(n * c, device=device).expand(batch, -1).contiguous(),
-        policy_state={"landmarks": torch.randn(batch, hkv, n, d, device=device, dtype=dtype)},
+        policy_state=_state_policy(cache.policy).state_of(torch.randn(batch, hkv, n, d, device=device), dtype),
         selectable=selectable,
         budget_chunks=torch.full((batch,), k, dtype=torch.int64, device=device),
         outlier_keys=torch.randn(batch, hkv, o * c, d, device=device, dtype=dtype),

@@ -1,0 +1,98 @@
+"""Landmark logits from int8 landmarks (design.md §3): ShadowKV's scoring GEMM at half the bytes.
+
+Legend: B batch, Hkv KV heads, G query heads per KV head, T query tokens, C landmarks (chunks), D head dim.
+
+At long context the landmarks are the largest tensor a decode step reads (32 MiB per row and layer in bf16 at 128K
+on the Llama-3.1-8B shape, half of a batch-32 step's HBM bytes), and cuBLAS reads them at ~85% of HBM bandwidth, so
+only fewer bytes make that GEMM faster. `LandmarkTopK(landmark_format="int8")` stores each landmark as int8 codes
+with one fp32 scale (`core.landmarks.quantize_landmarks`); `landmark_logits_int8_reference` is the definition (the
+dequantised landmarks times the queries in fp32, rounded to the query's dtype). On CUDA a one-token step runs
+`kernels/landmark_logits.cu` (tensor cores, the codes converted in registers); anything else runs the twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from .loader import kernels_available, load_kernels, multiprocessors
+
+__all__ = ["landmark_logits_int8", "landmark_logits_int8_reference"]
+
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # the query's (fp16 MMA operands hold them exactly)
+_HEAD_DIMS = (64, 128, 256)
+_MAX_GROUP = 8  # one MMA's B columns
+_THREADS, _LOADS = 128, 16  # LL_THREADS and LL_LOADS in the kernel
+# Blocks stride over a (row, head)'s landmarks; this many per SM keep enough 16-byte loads in flight (4 blocks of
+# 118 registers per thread fit an SM at D = 128) while each block converts its queries once for many landmarks.
+_BLOCKS_PER_SM = 4
+
+
+def landmark_logits_int8_reference(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Logits `[B, Hkv, G, T, C]` in `q`'s dtype: `q` `[B, Hkv, G, T, D]` (scaling applied) times the landmarks
+    `codes * scales` (`codes` int8 `[B or 1, Hkv, C, D]`, `scales` fp32 `[B or 1, Hkv, C]`), in fp32."""
+    batch, heads, group, steps, dim = q.shape
+    rows = q.float().reshape(batch, heads, group * steps, dim)
+    logits = torch.matmul(rows, codes.float().transpose(-1, -2)) * scales.float()[:, :, None, :]
+    return logits.to(q.dtype).reshape(batch, heads, group, steps, -1)
+
+
+def landmark_logits_int8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`landmark_logits_int8_reference`'s logits `[B, Hkv, G, T, C]`; on CUDA, one-token steps through the kernel
+    (a strided view of a `[B, Hkv, C, G]` tensor, which `ops.landmark_scores` reads as it lies).
+
+    Args:
+        q (`torch.Tensor`): `[B, Hkv, G, T, D]` grouped queries, the attention's scaling applied.
+        codes (`torch.Tensor`): int8 `[B or 1, Hkv, C, D]` (1: one document shared by every row).
+        scales (`torch.Tensor`): fp32 `[B or 1, Hkv, C]`.
+    """
+    if not _kernel_fits(q, codes, scales):
+        return landmark_logits_int8_reference(q, codes, scales)
+    batch, heads, group, _, dim = q.shape
+    chunks = codes.shape[2]
+    out = torch.empty((batch, heads, chunks, group), dtype=q.dtype, device=q.device)
+    per_block = (_THREADS // 32) * (_LOADS // (2 * (dim // 64))) * 16
+    wanted = math.ceil(_BLOCKS_PER_SM * multiprocessors(q.device) / (batch * heads))
+    blocks = max(1, min(math.ceil(chunks / per_block), wanted))
+    shared = codes.shape[0] == 1 and batch > 1
+    cb, ch, cc, _ = codes.stride()
+    sb, sh, _ = scales.stride()
+    qb, qh, qg, _, _ = q.stride()
+    i64 = ctypes.c_longlong
+    load_kernels("landmark_logits", q.device).launch(
+        f"landmark_logits_int8_{_KERNEL_DTYPES[q.dtype]}_d{dim}",
+        grid=(blocks, heads, batch),
+        block=(_THREADS, 1, 1),
+        args=[out, (out.stride(0), i64), (out.stride(1), i64), (out.stride(3), i64), (out.stride(2), i64),
+              q, (qb, i64), (qh, i64), (qg, i64),
+              codes, (0 if shared else cb, i64), (ch, i64), (cc, i64),
+              scales, (0 if shared else sb, i64), (sh, i64),
+              (group, ctypes.c_int), (chunks, i64)],
+    )  # fmt: skip
+    return out.transpose(2, 3).unsqueeze(3)
+
+
+def _kernel_fits(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """A one-token step on a CUDA device with kernels (sm_80+ tensor cores), a bf16/fp16 query, head dim 64, 128 or
+    256, at most 8 query heads per KV head, rows of codes 16-byte aligned and contiguous in D, scales contiguous in
+    C, and grid dimensions the device takes."""
+    if q.dim() != 5 or codes.dim() != 4 or scales.dim() != 3 or not kernels_available(q.device):
+        return False
+    batch, heads, group, steps, dim = q.shape
+    if steps != 1 or q.dtype not in _KERNEL_DTYPES or dim not in _HEAD_DIMS or not 0 < group <= _MAX_GROUP:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 8 or q.stride(4) != 1:
+        return False
+    if codes.dtype != torch.int8 or codes.device != q.device or codes.stride(3) != 1 or codes.shape[3] != dim:
+        return False
+    if codes.shape[0] not in (1, batch) or codes.shape[1] != heads or codes.data_ptr() % 16:
+        return False
+    if any(s % 16 for s, n in zip(codes.stride()[:3], codes.shape[:3]) if n > 1):
+        return False
+    if scales.dtype != torch.float32 or scales.device != q.device or scales.stride(2) != 1:
+        return False
+    if tuple(scales.shape) != (codes.shape[0], heads, codes.shape[2]):
+        return False
+    return codes.shape[2] > 0 and 0 < batch <= 65535 and heads <= 65535
