@@ -30,17 +30,21 @@ def full_attention_step(weights: int, batch: int, length: int, cfg, hbm_bw: floa
     return (weights + batch * length * kv_bytes_per_token(cfg)) / hbm_bw
 
 
-def shadowkv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float, float, float]:
-    """`(seconds, HBM bytes, PCIe bytes)` per step: HBM (weights, landmarks, attended set) + PCIe (missed values)."""
+def shadowkv_bound(
+    model, config, length, batch, h, weights, hbm_bw, landmark_format: str = "native"
+) -> tuple[float, float, float]:
+    """`(seconds, HBM bytes, PCIe bytes)` per step: HBM (weights, landmarks, attended set) + PCIe (missed values).
+    Landmarks are bf16, or with `landmark_format="int8"` one byte per value and an fp32 scale per landmark."""
     cfg = model.config
     sizes = layer_sizes(model, config, length, dtype=torch.bfloat16)
     size = sizes.resolved
     per_head = cfg.num_key_value_heads * cfg.head_dim * 2
+    landmark = per_head if landmark_format == "native" else cfg.num_key_value_heads * (cfg.head_dim + 4)
     attended = (size.outliers + size.budget_chunks) * config.chunk_size + size.local + 64
     missed = size.budget_chunks * config.chunk_size * (1 - h)  # tokens whose keys are rebuilt and values fetched
     # Landmarks read once, the attended keys and values read once (attention reads the parts in place,
     # ops/attend_parts.py), and the misses' rebuilt keys and fetched values written into their slots.
-    per_layer = size.num_chunks * per_head + 2 * (attended + missed) * per_head
+    per_layer = size.num_chunks * landmark + 2 * (attended + missed) * per_head
     hbm = weights + batch * cfg.num_hidden_layers * per_layer
     pcie = (
         batch

@@ -27,7 +27,7 @@ import torch
 import shadowkv_cache.ops.gather_values as gather_values
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, log
-from shadowkv_cache import ShadowKVConfig
+from shadowkv_cache import LandmarkTopK, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
 
 GRAPH_MODES = ("step", "layer", "none")
@@ -49,7 +49,8 @@ def make_cache(model, args, batch: int, graphs: str, device: torch.device):
             blocks = pinned_blocks(model.config.num_hidden_layers, row * batch)
         cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, host_blocks=blocks)
     else:
-        cache = synthetic_cache(model, batch, args.context, config, hit_rate=args.h, share_stored_row=True)
+        policy = LandmarkTopK(args.landmark_format)
+        cache = synthetic_cache(model, batch, args.context, config, policy, hit_rate=args.h, share_stored_row=True)
     cache.step_graphs.enabled = graphs == "step"
     return cache
 
@@ -65,6 +66,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--value-format", default="native")
+    p.add_argument("--landmark-format", choices=["native", "int8"], default="native",
+                   help="ShadowKV mode: LandmarkTopK's landmark_format")  # fmt: skip
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
     p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
@@ -89,11 +92,14 @@ def main() -> None:
             step = decode(model, cache, batch, 4, args.steps, device)
             hit = cache.memory_report().hit_rate
             values = args.value_format if args.mode == "shadowkv" else "higgs4 k+v"
-            rows.append(dict(context=args.context, batch=batch, mode=args.mode, values=values, graphs=graphs,
+            landmarks = args.landmark_format if args.mode == "shadowkv" else None
+            rows.append(dict(context=args.context, batch=batch, mode=args.mode, values=values, landmarks=landmarks,
+                             graphs=graphs,
                              h=None if hit is None else round(hit, 3), step_ms=round(step * 1e3, 2),
                              tok_s=round(batch / step, 1), replays=cache.step_graphs.replays))  # fmt: skip
             log(f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
-                f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}")  # fmt: skip
+                f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}, "
+                f"landmarks {landmarks}")  # fmt: skip
     kernels = [] if args.no_profile else profile(model, cache, batch, device)
     # ShadowKV mode runs the fetch on a side stream; YAKV mode's fetch runs on the main stream, with nothing beside it.
     fetch = fetch_overlap(kernels, rows[-1]["step_ms"]) if kernels and args.mode == "shadowkv" else None
@@ -104,7 +110,7 @@ def main() -> None:
         env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
         title = f"Decode step by graph mode, {args.mode}, context {args.context} (synthetic cache, h={args.h})"
         plot = {"x": "batch", "y": "step_ms", "series": "graphs", "ylabel": "ms per step"}
-        columns = ["context", "batch", "mode", "values", "graphs", "h", "step_ms", "tok_s", "replays"]
+        columns = ["context", "batch", "mode", "values", "landmarks", "graphs", "h", "step_ms", "tok_s", "replays"]
         notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, 3 steps) "
                  "are in the JSON (`kernels`).") if kernels else ""  # fmt: skip
         if fetch:

@@ -49,9 +49,11 @@ from benchmarks.throughput_sweeps import (
     host_blocks,
     prefill_runs,
     shadowkv_sweeps,
+    variants,
     yakv_sweeps,
 )
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 
 # The YAKV sweep's hit rate: between what Gemma 3 (0.50-0.52) and SmolLM2 (0.59-0.79) measured at YAKV's 128K budget
 # share, 4K-16K tokens of natural text (benchmarks/hit_rate.py, results/hit_rate_*_yakv_cpu.md).
@@ -73,6 +75,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--yakv-h", type=float, default=YAKV_H, help="hit rate of the YAKV batch sweep (tokens)")
     p.add_argument("--host-gib", type=float, default=96.0, help="host memory the ShadowKV sweep may pin")
     p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
+    p.add_argument(
+        "--landmark-formats",
+        default="native",
+        help="landmark formats of the ShadowKV sweep (LandmarkTopK's landmark_format: native, int8)",
+    )
     p.add_argument("--extra-h", default="0,0.8,own", help="hit rates rerun at the best batch ('own': the model's)")
     p.add_argument("--methods", default="dynamic,static,shadowkv", help="which sweeps to run (also: yakv)")
     p.add_argument("--generate-batch", type=int, default=8, help="batch of the generate-vs-forward runs (0: none)")
@@ -95,6 +102,9 @@ def main() -> None:
         replot(args.replot, args.h_sweep, args.note)
         return
     args.extra_h = [None if x == "own" else float(x) for x in args.extra_h.split(",") if x]
+    bad = [f for f in args.landmark_formats.split(",") if f not in LANDMARK_FORMATS]
+    if bad:
+        raise SystemExit(f"--landmark-formats: unknown {bad}; use a comma-separated list of {LANDMARK_FORMATS}.")
     device = torch.device(args.device)
     if args.split:
         if not torch.cuda.is_available():
@@ -145,7 +155,7 @@ def main() -> None:
     shadowkv_sweeps(run, blocks)
     yakv_sweeps(run, blocks)
     generate_runs(run, blocks)
-    add_summary(rec, contexts, args.value_formats.split(","), args.h_sweep)
+    add_summary(rec, contexts, variants(args), args.h_sweep)
     rec.write(plot=True)
     log("done:", results_dir() / f"{name}.md")
 

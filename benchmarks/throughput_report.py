@@ -15,9 +15,9 @@ TITLE = "Decode throughput: ShadowKV vs full attention (Llama-3.1-8B shape, rand
 
 
 class Recorder:
-    COLUMNS = ["context", "method", "value_format", "fill", "batch", "h_target", "hit_rate", "tok_s", "step_ms",
-               "peak_gpu_gib", "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share", "bound_ms",
-               "note"]  # fmt: skip
+    COLUMNS = ["context", "method", "value_format", "landmark_format", "fill", "batch", "h_target", "hit_rate",
+               "tok_s", "step_ms", "peak_gpu_gib", "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share",
+               "bound_ms", "note"]  # fmt: skip
 
     def __init__(self, name, env):
         self.name, self.env, self.rows = name, env, []
@@ -50,7 +50,9 @@ class Recorder:
                 or r.get("fill") == "real prefill"
             ):
                 continue
-            label = r["method"] + (f" {r.get('value_format')} h={r['h_target']}" if r["method"] == "shadowkv" else "")
+            label = r["method"]
+            if r["method"] == "shadowkv":
+                label += f" {variant_label(r.get('value_format'), r.get('landmark_format'))} h={r['h_target']}"
             best = series.setdefault(label, {})
             best[r["context"]] = max(best.get(r["context"], 0.0), r["tok_s"])
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -69,9 +71,21 @@ class Recorder:
         plt.close(fig)
 
 
-def add_summary(rec: Recorder, contexts: list[int], value_formats: list[str], h_sweep: float) -> None:
+def variant_label(value_format: str | None, landmark_format: str | None) -> str:
+    """`higgs4`, or `higgs4, int8 landmarks` for other than the native landmarks (rows without a landmark format were
+    recorded before it existed: native)."""
+    return f"{value_format}" if landmark_format in (None, "native") else f"{value_format}, {landmark_format} landmarks"
+
+
+def variant_of(row: dict) -> tuple[str | None, str]:
+    """A ShadowKV row's (value format, landmark format)."""
+    return row.get("value_format"), row.get("landmark_format") or "native"
+
+
+def add_summary(rec: Recorder, contexts: list[int], variants: list[tuple[str, str]], h_sweep: float) -> None:
     """Summary rows: each method's best tokens/s per context as ratios to this run's baselines (the best
-    DynamicCache batch, the full-attention roofline, and for YAKV the best ShadowKV batch per value format)."""
+    DynamicCache batch, the full-attention roofline, and for YAKV the best ShadowKV batch per variant); ShadowKV per
+    (value format, landmark format) variant."""
     rec.rows = [r for r in rec.rows if r["method"] != "summary"]
     for length in contexts:
         dynamic = [
@@ -86,18 +100,18 @@ def add_summary(rec: Recorder, contexts: list[int], value_formats: list[str], h_
         roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
         roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
         tops = {}
-        for method, value_format in [("shadowkv", f) for f in value_formats] + [("yakv", None)]:
+        for method, variant in [("shadowkv", v) for v in variants] + [("yakv", None)]:
             rows = [
                 r
                 for r in rec.rows
                 if r["context"] == length
                 and r["method"] == method
                 and r.get("fill") == "synthetic"
-                and (method == "yakv" or (r.get("value_format") == value_format and r.get("h_target") == h_sweep))
+                and (method == "yakv" or (variant_of(r) == variant and r.get("h_target") == h_sweep))
             ]
             if not rows:
                 continue
-            top = tops[(method, value_format)] = max(rows, key=lambda r: r["tok_s"])
+            top = tops[(method, variant)] = max(rows, key=lambda r: r["tok_s"])
             notes = []
             if dyn:
                 notes.append(f"x{top['tok_s'] / dyn['tok_s']:.2f} vs DynamicCache best")
@@ -106,12 +120,15 @@ def add_summary(rec: Recorder, contexts: list[int], value_formats: list[str], h_
                 notes.append(f"x{top['tok_s'] / roof_best['tok_s']:.2f} vs roofline at its best batch")
                 notes[-1] += f" ({roof_best['tok_s']:.1f})"
             if method == "yakv":
-                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {f} best ({t['tok_s']:.1f})"
-                          for (m, f), t in tops.items() if m == "shadowkv"]  # fmt: skip
+                notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {variant_label(*v)} best ({t['tok_s']:.1f})"
+                          for (m, v), t in tops.items() if m == "shadowkv"]  # fmt: skip
+            landmarks = variant[1] if variant else "native"
+            who = method if landmarks == "native" else f"{method} ({landmarks} landmarks)"
             if notes:
                 rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
-                             batch=top["batch"], h_target=top.get("h_target"), tok_s=top["tok_s"],
-                             note=f"{method}: " + "; ".join(notes)))  # fmt: skip
+                             landmark_format=top.get("landmark_format"), batch=top["batch"],
+                             h_target=top.get("h_target"), tok_s=top["tok_s"],
+                             note=f"{who}: " + "; ".join(notes)))  # fmt: skip
 
 
 def replot(name: str, h_sweep: float, note: str | None) -> None:
@@ -123,8 +140,6 @@ def replot(name: str, h_sweep: float, note: str | None) -> None:
     rec = Recorder(name, env)
     rec.rows = stored["rows"]
     contexts = sorted({r["context"] for r in rec.rows})
-    formats = list(
-        dict.fromkeys(r["value_format"] for r in rec.rows if r["method"] == "shadowkv" and "value_format" in r)
-    )
-    add_summary(rec, contexts, formats, h_sweep)
+    found = list(dict.fromkeys(variant_of(r) for r in rec.rows if r["method"] == "shadowkv" and "value_format" in r))
+    add_summary(rec, contexts, found, h_sweep)
     rec.write(plot=True)

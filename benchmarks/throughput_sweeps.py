@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_bound, yakv_bound
 from benchmarks.fills import fill_dynamic, fill_static
 from benchmarks.speed import GiB, decode, free, hit_rate, log, peaks, reset_peak, sync
-from benchmarks.throughput_report import Recorder
+from benchmarks.throughput_report import Recorder, variant_label
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
 
@@ -180,16 +180,22 @@ def _host_sweep(run: Run, row_host: int, align: int) -> tuple[list[int], int]:
     return sweep, max_rows
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The ShadowKV sweep's (value format, landmark format) pairs, value formats outermost."""
+    return [(v, m) for v in args.value_formats.split(",") for m in args.landmark_formats.split(",")]
+
+
 def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
     """3. Per context and value format: ShadowKV over the batch sweep at the controlled hit rate `--h-sweep`, up to
     the host budget (quantised values fit more rows), then `--extra-h` hit rates at the best batch."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
     for length in run.contexts if "shadowkv" in run.methods else []:
-        for value_format in args.value_formats.split(","):
+        for value_format, landmark_format in variants(args):
+            label = variant_label(value_format, landmark_format)
             fmt_config = dataclasses.replace(run.config, value_format=value_format)
             row_host = layer_sizes(model, fmt_config, length, dtype=torch.bfloat16).host_bytes_per_row
             sweep, max_rows = _host_sweep(run, row_host, 256)  # 256 bytes between payload and scales
-            log(f"shadowkv {length} {value_format}: host values {row_host * cfg.num_hidden_layers / GiB:.2f} GiB "
+            log(f"shadowkv {length} {label}: host values {row_host * cfg.num_hidden_layers / GiB:.2f} GiB "
                 f"per row, up to {max_rows} rows")  # fmt: skip
             best_row = None
             plan = [(b, args.h_sweep) for b in sweep]
@@ -201,11 +207,11 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 try:
                     free(device)
                     reset_peak(device)
-                    policy = LandmarkTopK() if h is None else None  # None: the model's own selection
+                    policy = LandmarkTopK(landmark_format)  # h None: the model's own selection, else wrapped
                     cache = synthetic_cache(model, batch, length, fmt_config, policy, hit_rate=h, host_blocks=blocks)
                     step = decode(model, cache, batch, args.warm, args.steps, device)
                 except torch.OutOfMemoryError:
-                    log(f"shadowkv {length} {value_format} batch {batch}: out of GPU memory")
+                    log(f"shadowkv {length} {label} batch {batch}: out of GPU memory")
                     del cache
                     free(device)
                     if i <= len(sweep):  # larger batches would not fit either: on to the other hit rates
@@ -215,8 +221,10 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                         i = len(sweep)
                     continue
                 hr = hit_rate(cache)
-                bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
-                row = dict(context=length, method="shadowkv", value_format=value_format, fill="synthetic",
+                bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw,
+                                                  landmark_format)  # fmt: skip
+                row = dict(context=length, method="shadowkv", value_format=value_format,
+                           landmark_format=landmark_format, fill="synthetic",
                            batch=batch, h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step,
                            step_ms=step * 1e3, **peaks(device),
                            host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
@@ -275,7 +283,8 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
     its stopping check, so these are the steps' wall times), after `warm` steps that include any capture."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
     batch = args.generate_batch
-    fmt_config = dataclasses.replace(run.config, value_format=args.value_formats.split(",")[0])
+    value_format, landmark_format = variants(args)[0]
+    fmt_config = dataclasses.replace(run.config, value_format=value_format)
     kv = kv_bytes_per_token(cfg)
     for length in run.contexts if args.generate_batch else []:
         for method in ("dynamic", "shadowkv"):
@@ -287,7 +296,8 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 free(device)
                 if method == "dynamic":
                     return fill_dynamic(model, batch, length)
-                return synthetic_cache(model, batch, length, fmt_config, hit_rate=args.h_sweep, host_blocks=blocks)
+                return synthetic_cache(model, batch, length, fmt_config, LandmarkTopK(landmark_format),
+                                       hit_rate=args.h_sweep, host_blocks=blocks)  # fmt: skip
 
             # Forward and generate timings alternate, so that a drift of the machine falls on both; the host work
             # generate adds is ~1 ms a step and moved by half of that between runs, so one pair of timings says little.
@@ -302,8 +312,9 @@ def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 free(device)
                 continue
             step = statistics.median(steps)
-            value_format = fmt_config.value_format if method == "shadowkv" else None
-            run.rec.add(dict(context=length, method=method, value_format=value_format, fill="synthetic, generate",
+            shadowkv = method == "shadowkv"
+            run.rec.add(dict(context=length, method=method, value_format=value_format if shadowkv else None,
+                             landmark_format=landmark_format if shadowkv else None, fill="synthetic, generate",
                              batch=batch, h_target=args.h_sweep if method == "shadowkv" else None, tok_s=batch / step,
                              step_ms=step * 1e3, note=generate_note(forwards, steps, batch)))  # fmt: skip
             free(device)
