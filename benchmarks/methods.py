@@ -15,6 +15,9 @@ own prefill.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from shadowkv_cache import ShadowKVCache
@@ -34,7 +37,7 @@ from shadowkv_cache.testing import continue_with_policy
 __all__ = ["EVICTING", "EXTENSIONS", "METHODS", "MODE_CHANGES", "PolicyBundle", "fork_cache"]
 
 # name -> a fresh policy. "full" (the model's own DynamicCache) is not a policy and is run by the harness.
-METHODS: dict[str, type[SelectionPolicy]] = {
+METHODS: dict[str, Callable[[], SelectionPolicy]] = {
     "shadowkv": LandmarkTopK,
     "quest": Quest,
     "streaming_llm": StreamingLLM,
@@ -43,8 +46,10 @@ METHODS: dict[str, type[SelectionPolicy]] = {
     "yakv": QuantizedKeyTopK,
     "yakv_residual": ResidualLandmarkTopK,  # the study's extensions (Appendix E, F), run only when asked for
     "yakv_shared": SharedBudgetTopK,
+    "shadowkv_int8": functools.partial(LandmarkTopK, landmark_format="int8"),  # last: the others keep their colours
 }
-EXTENSIONS = frozenset({"yakv_residual", "yakv_shared"})
+# Run only when asked for (`--methods`): the YAKV study's extensions and ShadowKV's int8 landmarks.
+EXTENSIONS = frozenset({"yakv_residual", "yakv_shared", "shadowkv_int8"})
 # Methods with their own storage mode: the config changes of their prefill (the others share ShadowKV's).
 # Methods with equal changes share one prefill.
 MODE_CHANGES: dict[str, dict] = {name: {"mode": "yakv"} for name in ("yakv", "yakv_residual", "yakv_shared")}

@@ -29,6 +29,7 @@ from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_lo
 from shadowkv_cache.policies.base import grouped_query
 from shadowkv_cache.prefix.format import policy_settings, settings_as_saved
 from shadowkv_cache.testing import synthetic_cache
+from shadowkv_cache.testing.hit_rate import ControlledHitRate
 
 B, HQ, HKV, C, CS, D = 2, 8, 2, 40, 8, 32
 SCALING = D**-0.5
@@ -156,11 +157,15 @@ def test_prefix_files_keep_the_landmark_format(tmp_path):
         ShadowKVCache.load_prefix(model, path)  # the default policy keeps native landmarks
 
 
-def test_settings_a_file_predates_take_their_defaults():
-    """Files written before `landmark_format` existed record LandmarkTopK's settings as {}: native landmarks."""
+def test_settings_a_file_predates_take_their_values_from_before():
+    """Files written before `landmark_format` existed record LandmarkTopK's settings as {}: native landmarks, even
+    if the default changes."""
     assert settings_as_saved({}, LandmarkTopK()) == policy_settings(LandmarkTopK())
     assert settings_as_saved({}, LandmarkTopK("int8")) != policy_settings(LandmarkTopK("int8"))
     assert settings_as_saved({"landmark_format": "int8"}, LandmarkTopK()) == {"landmark_format": "int8"}
+    wrapped = ControlledHitRate(0.5, LandmarkTopK())  # a wrapped policy's settings are filled in too
+    old = {**policy_settings(wrapped), "inner": {"name": "LandmarkTopK", "settings": {}}}
+    assert settings_as_saved(old, wrapped) == policy_settings(wrapped)
 
 
 def test_synthetic_cache_fills_int8_landmarks_and_wraps_the_policy_for_a_hit_rate():

@@ -255,6 +255,23 @@ def test_yakv_extension_forks_share_yakvs_prefill_and_are_probed(name):
     assert recall == pytest.approx(units, rel=1e-5) and oracle == pytest.approx(units, rel=1e-5)
 
 
+def test_int8_landmark_fork_decodes_as_its_own_prefill():
+    """The accuracy harness's `shadowkv_int8` forks from the shared ShadowKV prefill with its own int8 state."""
+    model, prompt = tiny_model("llama"), random_prompt(300, seed=11)
+    overrides = small_budget_overrides()
+    base = ShadowKVCache(model, policy=PolicyBundle({m: METHODS[m]() for m in ("shadowkv", "shadowkv_int8")}),
+                         **overrides)  # fmt: skip
+    forward_with(model, prompt[:, :-1], base)
+    alone = ShadowKVCache(model, policy=METHODS["shadowkv_int8"](), **overrides)
+    forward_with(model, prompt[:, :-1], alone)
+    ref = generate_with(model, prompt, alone, max_new_tokens=6)
+    fork = fork_cache(base, model, "shadowkv_int8", METHODS["shadowkv_int8"](), overrides["sparse_budget"])
+    assert fork.layers[0].prompt.policy_state["landmark_codes"].dtype == torch.int8
+    out = generate_with(model, prompt, fork, max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert_logits_close(out.logits, ref.logits)
+
+
 def test_probe_counting_kept_units_covers_the_outliers():
     """With `count_kept`, outlier chunks join the denominator and count as covered: the oracle still reaches its
     own bound, a full budget holds all the mass, and no recall exceeds its oracle."""

@@ -70,6 +70,9 @@ class SelectionPolicy(ABC):
     observation_window: ClassVar[int] = 0
     # True when the heads of a layer share one budget and so get different counts (`select_valid`).
     shares_budget: ClassVar[bool] = False
+    # Settings added after prefix files first recorded this policy, each with the value that a file written before
+    # it was made with (prefix/format.py `settings_as_saved`), whatever the default is now.
+    settings_before: ClassVar[dict[str, object]] = {}
 
     @abstractmethod
     def prepare(

@@ -32,6 +32,7 @@ class LandmarkTopK(SelectionPolicy):
     """
 
     granularity = "chunk"
+    settings_before = {"landmark_format": "native"}  # files from before the setting hold model-dtype landmarks
 
     def __init__(self, landmark_format: str = "native"):
         if landmark_format not in LANDMARK_FORMATS:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -91,15 +90,17 @@ def policy_settings(policy: SelectionPolicy) -> dict:
 
 
 def settings_as_saved(saved: dict, policy: SelectionPolicy) -> dict:
-    """The settings a file records (`policy_settings` of the policy that wrote it), with the settings of `policy`'s
-    class that the file lacks at their defaults: a setting added after the file was written (`LandmarkTopK`'s
-    `landmark_format`) was then the default."""
+    """The settings a file records (`policy_settings` of the policy that wrote it), with any of `policy`'s class's
+    `settings_before` that the file lacks: a setting added after the file was written (`LandmarkTopK`'s
+    `landmark_format`) had then the value `settings_before` names, whatever its default is now."""
     current = policy_settings(policy)
-    params = inspect.signature(type(policy).__init__).parameters
-    defaults = {
-        name: p.default for name, p in params.items() if name in current and p.default is not inspect.Parameter.empty
-    }
-    return {**defaults, **saved}
+    out = {name: value for name, value in type(policy).settings_before.items() if name in current}
+    out.update(saved)
+    for name, inner in vars(policy).items():  # the policies it wraps, as `policy_settings` records them
+        entry = out.get(name)
+        if isinstance(inner, SelectionPolicy) and isinstance(entry, dict) and isinstance(entry.get("settings"), dict):
+            out[name] = {**entry, "settings": settings_as_saved(entry["settings"], inner)}
+    return out
 
 
 def yakv_quantizers(config: ShadowKVConfig, policy: SelectionPolicy, head_dim: int) -> dict[str, HiggsQuantizer]:
