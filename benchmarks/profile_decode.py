@@ -25,6 +25,7 @@ import time
 import torch
 
 import shadowkv_cache.ops.gather_values as gather_values
+import shadowkv_cache.ops.landmark_logits as landmark_logits
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, log
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
@@ -72,12 +73,18 @@ def main() -> None:
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
     p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
                    help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
+    p.add_argument("--landmark-blocks-per-sm", type=int, default=None,
+                   help="the int8 landmark kernel's grid (BLOCKS_PER_SM in ops/landmark_logits.py)")  # fmt: skip
     add_results_dir_option(p)
     args = p.parse_args()
     if args.fetch_blocks_per_sm is not None:
         if args.fetch_blocks_per_sm <= 0:
             p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
         gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
+    if args.landmark_blocks_per_sm is not None:
+        if args.landmark_blocks_per_sm <= 0:
+            p.error(f"--landmark-blocks-per-sm must be positive, got {args.landmark_blocks_per_sm}")
+        landmark_logits.BLOCKS_PER_SM = args.landmark_blocks_per_sm
     modes = ["none"] if args.no_graphs else args.graphs.split(",")
     if set(modes) - set(GRAPH_MODES):
         p.error(f"--graphs takes {GRAPH_MODES}, got {args.graphs}")

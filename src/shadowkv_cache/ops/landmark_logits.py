@@ -27,7 +27,8 @@ _MAX_GROUP = 8  # one MMA's B columns
 _THREADS, _LOADS = 128, 16  # LL_THREADS and LL_LOADS in the kernel
 # Blocks stride over a (row, head)'s landmarks; this many per SM keep enough 16-byte loads in flight (4 blocks of
 # 118 registers per thread fit an SM at D = 128) while each block converts its queries once for many landmarks.
-_BLOCKS_PER_SM = 4
+# Not swept yet: `benchmarks/profile_decode.py --landmark-blocks-per-sm N` compares others.
+BLOCKS_PER_SM = 4
 
 
 def landmark_logits_int8_reference(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ def landmark_logits_int8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     chunks = codes.shape[2]
     out = torch.empty((batch, heads, chunks, group), dtype=q.dtype, device=q.device)
     per_block = (_THREADS // 32) * (_LOADS // (2 * (dim // 64))) * 16
-    wanted = math.ceil(_BLOCKS_PER_SM * multiprocessors(q.device) / (batch * heads))
+    wanted = math.ceil(BLOCKS_PER_SM * multiprocessors(q.device) / (batch * heads))
     blocks = max(1, min(math.ceil(chunks / per_block), wanted))
     shared = codes.shape[0] == 1 and batch > 1
     cb, ch, cc, _ = codes.stride()
