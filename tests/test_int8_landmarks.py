@@ -67,7 +67,7 @@ def test_twin_is_the_dequantised_landmarks_times_the_queries(shared, dtype):
     want = torch.einsum("bhgtd,bhcd->bhgtc", q.float(), dequantised).to(dtype)
     assert got.dtype == dtype and got.shape == (B, HKV, HQ // HKV, 1, C)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert landmark_logits_int8(q, codes, scales).equal(got)  # on CPU the op is its twin
+    assert landmark_logits_int8(q, codes, scales).equal(got)  # the op's dispatch runs the twin on CPU
 
 
 def test_policy_state_and_bad_format():
@@ -207,5 +207,25 @@ def test_kernel_dispatch_rules(monkeypatch):
     assert fits(dtype=torch.float16) and fits(group=1)
     assert not fits(tokens=2) and not fits(dim=96) and not fits(group=9) and not fits(dtype=torch.float32)
     assert not fits(scales_dtype=torch.float16)
+
+    def fits_with(q=None, codes=None, scales=None):
+        base_q = torch.zeros(4, 8, 4, 1, 128, dtype=torch.bfloat16)
+        base_codes = torch.zeros(4, 8, 100, 128, dtype=torch.int8)
+        base_scales = torch.zeros(4, 8, 100)
+        return op._kernel_fits(base_q if q is None else q, base_codes if codes is None else codes,
+                               base_scales if scales is None else scales)  # fmt: skip
+
+    wide = torch.zeros(4, 8, 100, 129, dtype=torch.int8)
+    assert fits_with(codes=torch.zeros(1, 8, 100, 128, dtype=torch.int8).expand(4, -1, -1, -1),
+                     scales=torch.zeros(1, 8, 100).expand(4, -1, -1))  # stride-0 rows of one document  # fmt: skip
+    assert not fits_with(codes=wide[..., 1:])  # rows not 16-byte aligned (the pointer, then the strides)
+    assert not fits_with(codes=wide[..., :128])
+    assert not fits_with(codes=torch.zeros(4, 8, 128, 100, dtype=torch.int8).transpose(2, 3))  # D not contiguous
+    assert not fits_with(q=torch.zeros(4, 8, 4, 1, 256, dtype=torch.bfloat16)[..., ::2])  # strided query dims
+    assert not fits_with(codes=torch.zeros(2, 8, 100, 128, dtype=torch.int8), scales=torch.zeros(2, 8, 100))
+    assert not fits_with(scales=torch.zeros(4, 8, 200)[..., ::2])  # strided scales
+    assert not fits_with(scales=torch.zeros(4, 8, 99))  # scales of other landmarks
+    assert not fits_with(codes=torch.zeros(4, 8, 0, 128, dtype=torch.int8), scales=torch.zeros(4, 8, 0))
+    assert not fits_with(codes=torch.zeros(4, 8, 100, 128, dtype=torch.int8, device="meta"))  # another device
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert not fits()

@@ -416,6 +416,18 @@ def op_fits(query, codes, scales) -> bool:
     return landmark_logits._kernel_fits(query, codes, scales)
 
 
+def test_landmark_logits_int8_kernel_reads_stride_0_rows_of_one_document():
+    """Rows that share a loaded document hold stride-0 views of its codes and scales (shape[0] = B, stride 0)."""
+    query, codes, scales = int8_landmark_case(3, 8, 4, 1000, 128, torch.bfloat16, True, 5)
+    expanded = codes.expand(3, -1, -1, -1), scales.expand(3, -1, -1)
+    assert op_fits(query, *expanded)
+    got = landmark_logits_int8(query, *expanded)
+    want = landmark_logits_int8(query, codes, scales)  # the one copy, batch 1 against 3 queries
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), landmark_logits_int8_reference(query, codes, scales).float(), rtol=1e-2,
+                               atol=1e-3)  # fmt: skip
+
+
 def test_landmark_logits_int8_kernel_replays_in_a_cuda_graph():
     query, codes, scales = int8_landmark_case(4, 8, 4, 3000, 128, torch.bfloat16, False, 0)
     landmark_logits_int8(query, codes, scales)  # compiled and loaded outside the capture

@@ -7,7 +7,9 @@ on the Llama-3.1-8B shape, half of a batch-32 step's HBM bytes), and cuBLAS read
 only fewer bytes make that GEMM faster. `LandmarkTopK(landmark_format="int8")` stores each landmark as int8 codes
 with one fp32 scale (`core.landmarks.quantize_landmarks`); `landmark_logits_int8_reference` is the definition (the
 dequantised landmarks times the queries in fp32, rounded to the query's dtype). On CUDA a one-token step runs
-`kernels/landmark_logits.cu` (tensor cores, the codes converted in registers); anything else runs the twin.
+`kernels/landmark_logits.cu` (tensor cores, the codes converted in registers); anything else runs the twin, which
+converts the codes to fp32 at every call: on CUDA, outside the kernel's shapes (multi-token sparse steps, more than 8
+query heads per KV head, head dims other than 64, 128 and 256, fp32 models) int8 landmarks cost more than native ones.
 """
 
 from __future__ import annotations

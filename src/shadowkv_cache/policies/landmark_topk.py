@@ -33,6 +33,7 @@ class LandmarkTopK(SelectionPolicy):
 
     granularity = "chunk"
     settings_before = {"landmark_format": "native"}  # files from before the setting hold model-dtype landmarks
+    landmark_format = "native"  # also for subclasses whose own __init__ does not call this one
 
     def __init__(self, landmark_format: str = "native"):
         if landmark_format not in LANDMARK_FORMATS:

@@ -193,6 +193,21 @@ class _HostMemory:
         return self.block[start : start + nbytes].view(dtype).view(shape)
 
 
+def _random_landmarks(policy: LandmarkTopK, batch: int, hkv: int, n: int, d: int, device, dtype) -> dict:
+    """`policy`'s state of random landmarks `[B, Hkv, C, D]`, made a row at a time: quantising a whole batch at once
+    would leave fp32 temporaries of every row in the peak memory the benchmarks record."""
+
+    def row() -> dict[str, torch.Tensor]:
+        return policy.state_of(torch.randn(1, hkv, n, d, device=device, dtype=dtype), dtype)
+
+    first = row()
+    state = {name: t.new_empty((batch, *t.shape[1:])) for name, t in first.items()}
+    for r in range(batch):
+        for name, t in (first if r == 0 else row()).items():
+            state[name][r : r + 1] = t
+    return state
+
+
 def _state_policy(policy: SelectionPolicy) -> SelectionPolicy:
     """The policy whose state a layer holds: a `ControlledHitRate`'s inner one."""
     return policy.inner if isinstance(policy, ControlledHitRate) else policy
@@ -223,7 +238,7 @@ def _shadowkv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dt
         a=torch.randn(batch, n * c, rank, device=device, dtype=dtype),
         b=torch.randn(batch, rank, hkv, d, device=device, dtype=dtype) / rank**0.5,
         positions=torch.arange(n * c, device=device).expand(batch, -1).contiguous(),
-        policy_state=_state_policy(cache.policy).state_of(torch.randn(batch, hkv, n, d, device=device), dtype),
+        policy_state=_random_landmarks(_state_policy(cache.policy), batch, hkv, n, d, device, dtype),
         selectable=selectable,
         budget_chunks=torch.full((batch,), k, dtype=torch.int64, device=device),
         outlier_keys=torch.randn(batch, hkv, o * c, d, device=device, dtype=dtype),
