@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["RopeFn", "RopeLayout", "rebuild_keys", "rebuild_missed_keys", "rope_reference"]
 
@@ -76,6 +76,10 @@ def rope_reference(
 
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ROPE_THREADS = 128  # ROPE_THREADS in kernels/rebuild_keys.cu: four warps, one slot each at a time
+# The RoPE kernel's warps stride over the slots (most hit and are skipped); this many blocks per SM, at 32 registers
+# a thread, leave room for the value fetch that runs beside it. Not measured yet against other sizes.
+ROPE_BLOCKS_PER_SM = 8
 
 
 def rebuild_keys(
@@ -178,10 +182,13 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
         inv_freq = torch.zeros(1, device=keys.device)
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
+    total = batch * heads * num_slots
+    warps_per_block = _ROPE_THREADS // 32
+    blocks = max(1, min(-(-total // warps_per_block), ROPE_BLOCKS_PER_SM * multiprocessors(keys.device)))
     kernels.launch(
         f"rope_missed_{_KERNEL_DTYPES[keys.dtype]}",
-        grid=(num_slots, heads, batch),
-        block=(128, 1, 1),
+        grid=(blocks, 1, 1),
+        block=(_ROPE_THREADS, 1, 1),
         args=[
             keys,
             pre,
@@ -197,5 +204,6 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
             (num_slots, i32),
             (c, i32),
             (dim, i32),
+            (total, ctypes.c_longlong),
         ],
     )
