@@ -62,8 +62,11 @@ __device__ __forceinline__ void rope_missed_impl(T* keys, const T* pre, const lo
                 float sn, cs;
                 sincosf(p * inv_freq[i], &sn, &cs);
                 const float x0 = to_f32(x[d0]), x1 = to_f32(x[d1]);
-                y[d0] = from_f32<T>(x0 * (cs * attention_scaling) + (-x1) * (sn * attention_scaling));
-                y[d1] = from_f32<T>(x1 * (cs * attention_scaling) + x0 * (sn * attention_scaling));
+                const float c_ = cs * attention_scaling, s_ = sn * attention_scaling;
+                // Spelled out: the fused multiply-add takes the element's own term, as the twin's rounding expects
+                // and as the compiler chose for the element-wise kernel this replaced.
+                y[d0] = from_f32<T>(__fmaf_rn(x0, c_, __fmul_rn(-x1, s_)));
+                y[d1] = from_f32<T>(__fmaf_rn(x1, c_, __fmul_rn(x0, s_)));
             }
             for (int d = rotary_dim + lane; d < D; d += 32) y[d] = x[d];  // past the rotated dims: as they are
         }
