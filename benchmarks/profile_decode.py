@@ -14,6 +14,12 @@ python -m benchmarks.profile_decode --context 131072 --batch 1,8,32 --graphs ste
 python -m benchmarks.profile_decode --context 131072 --batch 12 --mode yakv --h 0.55
 python -m benchmarks.profile_decode --context 131072 --batch 32 --value-format higgs4 --no-profile \
     --fetch-blocks-per-sm 1
+python -m benchmarks.profile_decode --context 131072 --batch 8 --value-format higgs4 --no-profile --generate
+
+`--generate` also profiles steps of an unchanged `model.generate` on a fresh cache of the last configuration: per
+step its wall time, the host's time in PyTorch ops and CUDA runtime calls (waits for the device apart), the kernel
+launches, and the top host ops, to say what `generate` adds to a step (`throughput.py` times it against raw
+forwards).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--landmark-format", choices=["native", "int8"], default="native",
                    help="ShadowKV mode: LandmarkTopK's landmark_format")  # fmt: skip
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
+    p.add_argument("--generate", action="store_true", help="also profile steps through model.generate (host time)")
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
     p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
                    help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
@@ -113,6 +120,13 @@ def main() -> None:
     if fetch:
         log(f"value fetch {fetch['fetch_ms']:.2f} ms per step; kernels overlapped {fetch['overlap_ms']:.2f} ms "
             f"(device time less the step): at least {fetch['hidden_share']:.0%} of the fetch hidden")  # fmt: skip
+    host = None
+    if args.generate:
+        cache = None
+        free(device)
+        host = profile_generate(model, make_cache(model, args, batch, modes[-1], device), batch, args.context, device)
+        log(f"generate: {host['wall_ms']:.2f} ms per step; host in ops and runtime calls {host['host_ms']:.2f} ms, "
+            f"waiting for the device {host['wait_ms']:.2f} ms, {host['launches']:.0f} launches per step")  # fmt: skip
     if args.name:
         env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
         title = f"Decode step by graph mode, {args.mode}, context {args.context} (synthetic cache, h={args.h})"
@@ -124,7 +138,63 @@ def main() -> None:
             notes += (f" The value fetch took {fetch['fetch_ms']:.2f} ms per step; kernels ran side by side for "
                       f"{fetch['overlap_ms']:.2f} ms (device time less the step time), so at least "
                       f"{fetch['hidden_share']:.0%} of the fetch was hidden (`fetch` in the JSON).")  # fmt: skip
-        write_results(args.name, title, env, rows, columns, plot, notes, extra={"kernels": kernels, "fetch": fetch})
+        if host:
+            notes += (f" Through `model.generate` (batch {batch}): {host['wall_ms']:.2f} ms per step, of which the "
+                      f"host spent {host['host_ms']:.2f} ms in PyTorch ops and CUDA runtime calls and "
+                      f"{host['wait_ms']:.2f} ms waiting for the device; {host['launches']:.0f} launches per step "
+                      "(`generate` in the JSON).")  # fmt: skip
+        extra = {"kernels": kernels, "fetch": fetch, "generate": host}
+        write_results(args.name, title, env, rows, columns, plot, notes, extra=extra)
+
+
+# CUDA runtime calls in which the host waits for the device: idle host time, not work.
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def host_time(rows: list[tuple[str, float, int]], steps: int, wall_ms: float) -> dict:
+    """What the host did per step, from the profiler's host rows `(name, self CPU µs, calls)` over `steps` steps of
+    `wall_ms` each: time in PyTorch ops and CUDA runtime calls less the waits for the device (`host_ms`; Python
+    between ops is not in it), the waits (`wait_ms`), kernel and graph launches, and the top rows by self time."""
+    waits = sum(t for name, t, _ in rows if name in _WAITS)
+    busy = [r for r in rows if r[0] not in _WAITS]
+    top = sorted(busy, key=lambda r: r[1], reverse=True)[:20]
+    per_step = [dict(name=n, ms_per_step=round(t / 1e3 / steps, 4), calls_per_step=c / steps) for n, t, c in top]
+    return dict(wall_ms=round(wall_ms, 3), host_ms=round(sum(r[1] for r in busy) / 1e3 / steps, 3),
+                wait_ms=round(waits / 1e3 / steps, 3),
+                launches=sum(c for name, _, c in rows if name in _LAUNCHES) / steps, top=per_step)  # fmt: skip
+
+
+def profile_generate(model, cache, batch: int, context: int, device: torch.device, warm: int = 6, steps: int = 3):
+    """torch.profiler (host activity) over `steps` greedy `generate` steps after `warm` (captures included), on a
+    cache that holds `context` tokens: `host_time` of those steps."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
+
+    class Steps:  # `generate` calls `put` once for the prompt, then once per step's tokens
+        def __init__(self):
+            self.times, self.prof = [], None
+
+        def put(self, value):  # `generate` has copied the tokens to the host: the step is done
+            self.times.append(time.perf_counter())
+            if self.prof is not None:
+                self.prof.step()
+
+        def end(self):
+            pass
+
+    clock = Steps()
+    schedule = torch.profiler.schedule(wait=warm, warmup=0, active=steps, repeat=1)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                 schedule=schedule) as prof:  # fmt: skip
+        clock.prof = prof
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                       max_new_tokens=warm + steps + 1, min_new_tokens=warm + steps + 1, pad_token_id=0,
+                       streamer=clock)  # fmt: skip
+    # put() number i (0: the prompt) ends forward i, and profiler step k spans forward k: the profiled forwards are
+    # warm .. warm + steps - 1, from put() number warm - 1 to put() number warm + steps - 1.
+    wall_ms = (clock.times[warm + steps - 1] - clock.times[warm - 1]) / steps * 1e3
+    rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.device_type.name == "CPU"]
+    return host_time(rows, steps, wall_ms)
 
 
 def fetch_overlap(kernels: list[dict], step_ms: float) -> dict | None:
