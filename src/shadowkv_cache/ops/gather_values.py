@@ -22,7 +22,7 @@ import ctypes
 import torch
 
 from ..stores.value_store import HostValueStore
-from .loader import kernels_available, load_kernels, multiprocessors
+from .loader import kernels_available, load_kernels, strided_grid
 
 __all__ = ["gather_values", "gather_values_reference"]
 
@@ -136,7 +136,7 @@ def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, 
 
 def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:
     """`blocks`, but at most `FETCH_BLOCKS_PER_SM` per SM; the kernels stride over the rest."""
-    return (max(1, min(blocks, int(multiprocessors(device) * FETCH_BLOCKS_PER_SM))), 1, 1)
+    return strided_grid(device, blocks, FETCH_BLOCKS_PER_SM)
 
 
 def _warp_fits(values: torch.Tensor, c: int, dim: int) -> bool:

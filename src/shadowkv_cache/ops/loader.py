@@ -40,6 +40,7 @@ __all__ = [
     "load_kernels",
     "multiprocessors",
     "source_dir",
+    "strided_grid",
 ]
 
 OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
@@ -301,6 +302,12 @@ def multiprocessors(device: torch.device) -> int:
     """The SM count of CUDA `device` (no index: the current one), for grids sized to the machine (split attention,
     the value fetch, the landmark scores)."""
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def strided_grid(device: torch.device, blocks: int, per_sm: float) -> tuple[int, int, int]:
+    """A 1-D grid of `blocks` blocks, at most `per_sm` per SM of `device` and at least one, for kernels that stride
+    over their work (the blocks take what is left in later iterations)."""
+    return (max(1, min(blocks, int(per_sm * multiprocessors(device)))), 1, 1)
 
 
 @functools.cache

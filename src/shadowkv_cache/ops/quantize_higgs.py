@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..quant import HiggsQuantizer, QuantizedVectors
-from .loader import kernels_available, load_kernels, multiprocessors
+from .loader import kernels_available, load_kernels, strided_grid
 
 __all__ = ["quantize_vectors", "quantize_vectors_reference", "vector_strides"]
 
@@ -85,7 +85,7 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     load_kernels("quantize_higgs", x.device).launch(
         f"quantize_higgs_{_KERNEL_DTYPES[x.dtype]}_p{quantizer.grid_dim}",
-        grid=(min(-(-n // _WARPS), _BLOCKS_PER_SM * multiprocessors(x.device)), 1, 1),
+        grid=strided_grid(x.device, -(-n // _WARPS), _BLOCKS_PER_SM),
         block=(32 * _WARPS, 1, 1),
         args=[
             codes,

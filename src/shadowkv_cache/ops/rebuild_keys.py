@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loader import kernels_available, load_kernels, multiprocessors
+from .loader import kernels_available, load_kernels, strided_grid
 
 __all__ = ["RopeFn", "RopeLayout", "rebuild_keys", "rebuild_missed_keys", "rope_reference"]
 
@@ -183,11 +183,9 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
     total = batch * heads * num_slots
-    warps_per_block = _ROPE_THREADS // 32
-    blocks = max(1, min(-(-total // warps_per_block), ROPE_BLOCKS_PER_SM * multiprocessors(keys.device)))
     kernels.launch(
         f"rope_missed_{_KERNEL_DTYPES[keys.dtype]}",
-        grid=(blocks, 1, 1),
+        grid=strided_grid(keys.device, -(-total // (_ROPE_THREADS // 32)), ROPE_BLOCKS_PER_SM),  # a slot per warp
         block=(_ROPE_THREADS, 1, 1),
         args=[
             keys,
