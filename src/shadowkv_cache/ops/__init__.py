@@ -15,9 +15,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "attend_parts": ("shadowkv_cache.ops.attend_parts", "attend_parts_reference"),
     "gather_dequant": ("shadowkv_cache.ops.gather_dequant", "gather_dequant_reference"),
     "gather_values": ("shadowkv_cache.ops.gather_values", "gather_values_reference"),
-    # ShadowKV's chunk scores from the landmark GEMM's output as it lies: softmax, group max, mask.
     # ShadowKV's landmark logits from int8 landmarks (tensor cores); the twin dequantises and multiplies in fp32.
     "landmark_logits": ("shadowkv_cache.ops.landmark_logits", "landmark_logits_int8_reference"),
+    # ShadowKV's chunk scores from the landmark GEMM's output as it lies: softmax, group max, mask.
     "landmark_scores": ("shadowkv_cache.ops.landmark_scores", "landmark_scores_reference"),
     "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),
     # RoPE of the missed slots after the batched A·B product; `rebuild_keys` defines the rebuilt keys.

@@ -77,22 +77,21 @@ class LandmarkTopK(SelectionPolicy):
     def _logits(self, query: torch.Tensor, state: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """`[B, Hkv, G, T, C]` logits of `query` `[B, Hq, T, D]` against the landmarks, possibly a strided view."""
         if self.landmark_format == "int8":
-            codes, scales = state["landmark_codes"], state["landmark_scales"]
-            if codes.shape[0] > 1 and codes.stride(0) == 0:  # one shared document: its one copy
-                codes, scales = codes[:1], scales[:1]
-            q = grouped_query(query * scaling, codes.shape[1])  # [B, Hkv, G, T, D]
-            return landmark_logits_int8(q, codes, scales)
-        landmarks = state["landmarks"]
-        # Rows sharing one document hold stride-0 views: score against the one copy, which einsum broadcasts,
-        # rather than materialising a copy per row.
-        if landmarks.shape[0] > 1 and landmarks.stride(0) == 0:
-            landmarks = landmarks[:1]
+            codes, scales = _one_copy(state["landmark_codes"]), _one_copy(state["landmark_scales"])
+            return landmark_logits_int8(grouped_query(query * scaling, codes.shape[1]), codes, scales)
+        landmarks = _one_copy(state["landmarks"])
         q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
         # A GEMM in the KV dtype (fp32 accumulation): the landmarks are the largest tensor a step reads, and
         # converting them to fp32 first would triple those bytes. On an H200 this GEMM beat a fused CUDA kernel that
         # streamed the landmarks once and did the softmax as well (1.0-1.1 ms against 0.60 ms per layer at batch
         # 32, 128K, with the softmax), so only what follows the GEMM is a kernel.
         return landmark_logits(q.to(landmarks.dtype), landmarks)
+
+
+def _one_copy(t: torch.Tensor) -> torch.Tensor:
+    """Rows sharing one document hold stride-0 views of its state: score against the one copy, which the products
+    broadcast, rather than materialising a copy per row."""
+    return t[:1] if t.shape[0] > 1 and t.stride(0) == 0 else t
 
 
 def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | None = None) -> torch.Tensor:
