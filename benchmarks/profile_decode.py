@@ -33,8 +33,9 @@ import torch
 import shadowkv_cache.ops.gather_values as gather_values
 import shadowkv_cache.ops.landmark_logits as landmark_logits
 from benchmarks.results_io import add_results_dir_option, environment, write_results
-from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, log
+from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, generate_times, log
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
+from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
 
 GRAPH_MODES = ("step", "layer", "none")
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--value-format", default="native")
-    p.add_argument("--landmark-format", choices=["native", "int8"], default="native",
+    p.add_argument("--landmark-format", choices=LANDMARK_FORMATS, default="native",
                    help="ShadowKV mode: LandmarkTopK's landmark_format")  # fmt: skip
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
     p.add_argument("--generate", action="store_true", help="also profile steps through model.generate (host time)")
@@ -168,31 +169,12 @@ def host_time(rows: list[tuple[str, float, int]], steps: int, wall_ms: float) ->
 def profile_generate(model, cache, batch: int, context: int, device: torch.device, warm: int = 6, steps: int = 3):
     """torch.profiler (host activity) over `steps` greedy `generate` steps after `warm` (captures included), on a
     cache that holds `context` tokens: `host_time` of those steps."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
-
-    class Steps:  # `generate` calls `put` once for the prompt, then once per step's tokens
-        def __init__(self):
-            self.times, self.prof = [], None
-
-        def put(self, value):  # `generate` has copied the tokens to the host: the step is done
-            self.times.append(time.perf_counter())
-            if self.prof is not None:
-                self.prof.step()
-
-        def end(self):
-            pass
-
-    clock = Steps()
     schedule = torch.profiler.schedule(wait=warm, warmup=0, active=steps, repeat=1)
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                 schedule=schedule) as prof:  # fmt: skip
-        clock.prof = prof
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                       max_new_tokens=warm + steps + 1, min_new_tokens=warm + steps + 1, pad_token_id=0,
-                       streamer=clock)  # fmt: skip
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:
+        times = generate_times(model, cache, batch, context, warm + steps + 1, device, on_put=prof.step)
     # put() number i (0: the prompt) ends forward i, and profiler step k spans forward k: the profiled forwards are
     # warm .. warm + steps - 1, from put() number warm - 1 to put() number warm + steps - 1.
-    wall_ms = (clock.times[warm + steps - 1] - clock.times[warm - 1]) / steps * 1e3
+    wall_ms = (times[warm + steps - 1] - times[warm - 1]) / steps * 1e3
     rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.device_type.name == "CPU"]
     return host_time(rows, steps, wall_ms)
 

@@ -155,6 +155,33 @@ def decode(model, cache, batch: int, warm: int, steps: int, device: torch.device
     return (time.perf_counter() - t) / steps
 
 
+def generate_times(model, cache, batch: int, length: int, new_tokens: int, device: torch.device, on_put=None):
+    """Host times at which `generate`'s outputs come out (index 0: the prompt, then one per step) over `new_tokens`
+    greedy steps of an unchanged `model.generate` on `cache`, which holds `length` tokens per row (random ids,
+    `length + 1` of them: `generate` feeds the last one). `on_put` (*optional*) is called after each time is noted."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=device)
+
+    class Clock:  # a streamer: `generate` puts each step's tokens once they are on the host
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+            if on_put is not None:
+                on_put()
+
+        def end(self) -> None:
+            pass
+
+    clock = Clock()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       streamer=clock)  # fmt: skip
+    sync(device)
+    return clock.times
+
+
 def hit_rate(cache) -> float | None:
     """The hit rate of a `ShadowKVCache` (ShadowKV's temporal cache, YAKV's held tokens); None for other caches."""
     return cache.memory_report().hit_rate if isinstance(cache, ShadowKVCache) else None

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_bound, yakv_bound
 from benchmarks.fills import fill_dynamic, fill_static
-from benchmarks.speed import GiB, decode, free, hit_rate, log, peaks, reset_peak, sync
+from benchmarks.speed import GiB, decode, free, generate_times, hit_rate, log, peaks, reset_peak, sync
 from benchmarks.throughput_report import Recorder, variant_label
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
@@ -332,27 +332,8 @@ def generate_note(forwards: list[float], steps: list[float], batch: int) -> str:
     return note
 
 
-class _StepTimes:
-    """A streamer that notes the host time at which each step's tokens come out of `generate`."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def _generate_step_seconds(model, cache, batch: int, length: int, warm: int, steps: int, device) -> float:
     """Mean seconds per step of the last `steps` of `warm + steps` greedy `generate` steps after a cache that holds
     `length` tokens (the first `put` is the prompt, then one per step)."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=device)
-    mask = torch.ones_like(ids)
-    times = _StepTimes()
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=warm + steps,
-                       min_new_tokens=warm + steps, do_sample=False, pad_token_id=0, streamer=times)  # fmt: skip
-    sync(device)
-    return (times.times[-1] - times.times[-1 - steps]) / steps
+    times = generate_times(model, cache, batch, length, warm + steps, device)
+    return (times[-1] - times[-1 - steps]) / steps
