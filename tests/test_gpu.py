@@ -217,28 +217,17 @@ def test_smollm2_full_budget_exact_on_cuda(smollm2_cuda):
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_default_fidelity_on_cuda(smollm2_cuda):
+@pytest.mark.parametrize("landmark_format", ["native", "int8"])
+def test_smollm2_bf16_default_fidelity_on_cuda(smollm2_cuda, landmark_format):
+    """The defaults in bf16 hold the floor, with landmarks in the KV dtype or in int8 through their kernel (head dim
+    64, 3 query heads per KV head)."""
     model, tokenizer = smollm2_cuda
     model = model.to(torch.bfloat16)
     try:
         ids = natural_text_ids(tokenizer, 4096 + 64).cuda()
-        fid = measure_fidelity(model, ids, 4096, lambda: ShadowKVCache(model), greedy_tokens=32)
-        print(f"SmolLM2 bf16 CUDA 4K default fidelity: {fid}")
-        assert fid.agreement >= 0.8
-    finally:
-        model.to(torch.float32)
-
-
-@pytest.mark.slow
-def test_smollm2_bf16_int8_landmark_fidelity_on_cuda(smollm2_cuda):
-    """int8 landmarks through the kernel (head dim 64, 3 query heads per KV head) hold the defaults' floor."""
-    model, tokenizer = smollm2_cuda
-    model = model.to(torch.bfloat16)
-    try:
-        ids = natural_text_ids(tokenizer, 4096 + 64).cuda()
-        make = lambda: ShadowKVCache(model, policy=LandmarkTopK("int8"))  # noqa: E731
+        make = lambda: ShadowKVCache(model, policy=LandmarkTopK(landmark_format))  # noqa: E731
         fid = measure_fidelity(model, ids, 4096, make, greedy_tokens=32)
-        print(f"SmolLM2 bf16 CUDA 4K default fidelity, int8 landmarks: {fid}")
+        print(f"SmolLM2 bf16 CUDA 4K default fidelity, {landmark_format} landmarks: {fid}")
         assert fid.agreement >= 0.8
     finally:
         model.to(torch.float32)

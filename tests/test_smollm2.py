@@ -53,29 +53,20 @@ def test_full_budget_is_exact(smollm2, text_ids):
     assert torch.equal(ref, got)
 
 
-def test_default_budget_fidelity(smollm2, text_ids):
+@pytest.mark.parametrize("landmark_format", ["native", "int8"])
+def test_default_budget_fidelity(smollm2, text_ids, landmark_format):
     """The defaults on SmolLM2 at 3K tokens: each layer's rank from the logits of the prompt's last queries
-    (rank="auto", within [24, 144] of 192), a 768-token budget (a quarter of the prompt), 4 outlier chunks."""
+    (rank="auto", within [24, 144] of 192), a 768-token budget (a quarter of the prompt), 4 outlier chunks; with
+    landmarks in the model's dtype or in int8 (one scale per landmark), the same floors."""
     model, _ = smollm2
     prompt = 3072
-    make = lambda: ShadowKVCache(model, min_compress_len=2048)  # noqa: E731
+    make = lambda: ShadowKVCache(model, policy=LandmarkTopK(landmark_format), min_compress_len=2048)  # noqa: E731
     cache = make()
     sizes = cache.config.resolve(prompt, model.config.num_key_value_heads * model.config.head_dim)
     assert (sizes.min_rank, sizes.rank, sizes.budget_chunks * 8, sizes.outliers) == (24, 144, 768, 4)
 
     fid = measure_fidelity(model, text_ids[:, : prompt + 48], prompt, make, greedy_tokens=16)
-    print(f"SmolLM2 3K default-budget fidelity: {fid}")
-    assert fid.agreement >= FLOOR_AGREEMENT
-    assert fid.mean_kl <= CEIL_KL
-
-
-def test_int8_landmarks_keep_the_default_budget_fidelity(smollm2, text_ids):
-    """The same defaults with the landmarks in int8 (one scale per landmark): the same floors."""
-    model, _ = smollm2
-    prompt = 3072
-    make = lambda: ShadowKVCache(model, policy=LandmarkTopK("int8"), min_compress_len=2048)  # noqa: E731
-    fid = measure_fidelity(model, text_ids[:, : prompt + 48], prompt, make, greedy_tokens=16)
-    print(f"SmolLM2 3K default-budget fidelity, int8 landmarks: {fid}")
+    print(f"SmolLM2 3K default-budget fidelity, {landmark_format} landmarks: {fid}")
     assert fid.agreement >= FLOOR_AGREEMENT
     assert fid.mean_kl <= CEIL_KL
 
