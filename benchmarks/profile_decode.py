@@ -148,8 +148,10 @@ def main() -> None:
         write_results(args.name, title, env, rows, columns, plot, notes, extra=extra)
 
 
-# CUDA runtime calls in which the host waits for the device: idle host time, not work.
-_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# CUDA runtime calls in which the host waits for the device: idle host time, not work. `cudaMemcpyAsync` is among
+# them because a step's copies are a few tokens each way and the one to pageable host memory (the next tokens for the
+# stopping check) blocks until the device is done: its time is the wait, not the copy.
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
