@@ -7,12 +7,14 @@ Each decode step of YAKV mode scores every prompt token of every KV head from it
 `ops/score_codes.py`), then takes the top K. This times one layer's scoring on random codes (Llama-3.1-8B shape:
 Hkv = 8, G = 4, D = 128, so 32 code bytes and a 2-byte norm per token and head) with CUDA events, for
 
-- `tensor cores`: two passes over the codes on tensor cores, softmax states only in between (sm_80+);
+- `tensor cores`: one pass over the codes on tensor cores, which writes per-tile softmax states and fp16 exponentials
+  relative to each 16-token group's max, then a kernel that turns those into the scores (sm_80+);
 - `fp32`: the fp32 kernel, which writes fp32 logits per query head, then `softmax_group_max`;
 
 and reports the rate at which each goes through the codes and norms (`codes_GBps`: their bytes once / time, what
 "reads its codes at X% of HBM bandwidth" means) beside the bytes it really moves (`moved_GBps`: the tensor-core
-kernels read the codes twice; the fp32 path writes and reads logits), both as shares of the measured copy
+path writes and reads 2 bytes per query head and token and a group max per 16 tokens; the fp32 path writes and reads
+4-byte logits), both as shares of the measured copy
 bandwidth, and the time of `torch.topk` over the scores at the default budget (3.125% of N). The two kernels'
 scores are compared on the same data (`max_rel_diff`, `topk_agree`).
 
@@ -68,8 +70,10 @@ def one_layer(context: int, batch: int, heads: int, group: int, dim: int, device
     k = max(1, round(0.03125 * context))
     once = codes.numel() + norms.numel() * 2 + batch * context  # codes, norms, selectable
     scores_bytes = batch * heads * context * 4
+    pairs = -(-group // 2)  # query heads rounded up to even
+    exps_bytes = batch * heads * (context * pairs * 4 + -(-context // 16) * 2 * pairs * 4)  # fp16 pairs, group maxima
     moved = {
-        "tensor cores": 2 * once + scores_bytes,
+        "tensor cores": once + 2 * exps_bytes + scores_bytes,  # exponentials written and read again
         "fp32": once + 2 * batch * heads * group * context * 4 + scores_bytes,  # logits written and read again
     }
     rows, outputs = [], {}

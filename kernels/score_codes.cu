@@ -189,11 +189,15 @@ CODE_LOGITS_ALL_G(8)
 // scaled by a power of two into fp16's range and split into hi + lo fp16 parts (two MMAs), so the products carry
 // ~2^-22 relative error and the fp32 sums differ from the twin's only in order, as the fp32 kernel's do.
 //
-// No logits in HBM: pass 1 (`code_states_mma`) keeps per-tile softmax states only; pass 2 (`code_scores_mma`)
-// computes the same logits again (the same instructions, so the same bits) and writes the score, max over the group
-// of the softmax. The second read of the codes ((M + 2) bytes per token) moves about what fp32 logits per query
-// head would (written and read again, 8G bytes per token: 34 against 32 at D = 128, G = 4), so the two designs
-// move about the same bytes; the gain is in the work per code.
+// One pass over the codes (`code_states_mma`): per-tile softmax states, and each logit as an fp16 exponential relative
+// to the max of its head over the 16 tokens an MMA covers, with that max in fp32. A second kernel (`code_scores_finish`)
+// merges the tiles' states into each head's row state and turns the exponentials into scores, max over the group,
+// reading 2G + G/4 bytes per token where reading the codes again would be M + 2 (34 at D = 128, G = 4) and redo every
+// lookup and MMA (which, not bytes, held the earlier second pass to the first pass's time).
+//
+// Precision: exp(l - group max) is in (0, 1]; stored times 2^15 it is a normal fp16 down to 2^-29 (~1.9e-9) relative
+// to the group's max, so the score carries 2^-11 relative error there and under 2^-39 absolute below (the twin's
+// fp32 values differ from it by no more). The states are summed from the fp32 exponentials.
 //
 // Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
 
@@ -202,12 +206,16 @@ CODE_LOGITS_ALL_G(8)
 #define MMA_COPIES 16  // copies of the grid in shared memory, one per lane of a half-warp: no bank conflicts
 #define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN
 
-/// \brief Add two logits to a softmax state (max, sum of exp); -inf logits add nothing.
-__device__ __forceinline__ void add_two(float& m, float& s, float a, float b) {
-    const float hi = fmaxf(m, fmaxf(a, b));
-    if (hi == NEG_INF) return;
-    s = s * __expf(m - hi) + __expf(a - hi) + __expf(b - hi);
-    m = hi;
+/// \brief Add a group of logits, given as their max `g` and the sum of exp(logit - g), to a softmax state; a group
+/// with nothing selectable (g = -inf) adds nothing.
+__device__ __forceinline__ void add_group(float& m, float& s, float g, float sum) {
+    if (g == NEG_INF) return;
+    if (g > m) {
+        s = s * __expf(m - g) + sum;  // m = -inf at first: s = 0
+        m = g;
+    } else {
+        s += sum * __expf(g - m);
+    }
 }
 
 /// \brief The KT code bytes of one token at `p` (shared memory, KT-byte aligned) as KT/4 words.
@@ -245,31 +253,36 @@ template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-/// \brief Both passes. One block per (tile of tokens, KV head, row), 4 warps; each warp takes 16 tokens at a time.
+/// \brief The pass over the codes. One block per (tile of tokens, KV head, row), 4 warps; each warp takes 16 tokens
+/// (one MMA group) at a time.
 ///
-/// \param part_max, part_sum  [B, Hkv, G, NT] fp32: out in pass 1 (each tile's max and sum of exp(logit - max)),
-///                  in in pass 2
-/// \param scores    [B, Hkv, N] fp32, out in pass 2: max_g exp(logit_g - M_g) / S_g; 0 where not selectable or
-///                  where the head has nothing selectable
+/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, out: each tile's max and sum of exp(logit - max) per query head
+/// \param exps      [B, Hkv, N, Gp] fp16 (Gp = G rounded up to even, as pairs of fp16 in 32-bit words), out:
+///                  2^15 * exp(logit - group max), 0 where not selectable; entries g >= G hold anything
+/// \param gmaxes    [B, Hkv, NG, Gp] fp32 (NG = ceil(N / 16)), out: the max logit of each group of 16 tokens per
+///                  query head, -inf where none is selectable; entries g >= G hold anything
 /// \param query     [B, Hkv, G, D] fp32 rotated queries (one query token), contiguous
 /// \param codes     uint8 [B, Hkv, N, M], M = 4*KT, as code_logits_impl's (KT-byte aligned)
 /// \param norms, selectable, grid, scaling, sqrt_d  as code_logits_impl's
 /// Launch: grid (NT, Hkv, B), block 128 threads, MMA_TILE tokens per block.
-template <int KT, bool SCORES>
-__device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, float* scores, const float* query,
-                                              const unsigned char* codes, long long codes_row_stride,
-                                              const f16* norms, long long norms_row_stride, const bool* selectable,
-                                              long long sel_row_stride, long long sel_head_stride, const float* grid,
-                                              float scaling, float sqrt_d, int Hkv, int G, int N) {
+template <int KT>
+__device__ __forceinline__ void code_states_mma_impl(float* part_max, float* part_sum, unsigned* exps, float* gmaxes,
+                                                     const float* query, const unsigned char* codes,
+                                                     long long codes_row_stride, const f16* norms,
+                                                     long long norms_row_stride, const bool* selectable,
+                                                     long long sel_row_stride, long long sel_head_stride,
+                                                     const float* grid, float scaling, float sqrt_d, int Hkv, int G,
+                                                     int N) {
     constexpr int M = 4 * KT, D = 4 * M, W = KT / 4, STRIDE = MMA_THREADS / 32 * 16;
     constexpr int DEPTH = KT == 16 ? 2 : 5;  // stages of the code ring; under 48 KiB of static shared memory in all
     __shared__ uint2 table[256 * MMA_COPIES];
     __shared__ unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[MMA_THREADS / 32][DEPTH][16 * M];
-    __shared__ float wm[MMA_THREADS / 32][8], ws[MMA_THREADS / 32][8], gm[8], gs[8];
+    __shared__ float wm[MMA_THREADS / 32][8], ws[MMA_THREADS / 32][8];
     const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
     const int copy = lane & (MMA_COPIES - 1);
+    const int pairs = (G + 1) / 2, groups = (N + 15) / 16;  // Gp / 2 words per token; NG
     const size_t rh = (size_t)row * Hkv + head;
 
     for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += MMA_THREADS) {
@@ -314,32 +327,17 @@ __device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, 
         }
     // Output columns 2tq and 2tq+1 are query heads whose scales lanes 8tq and 8tq+4 hold.
     const int col0 = 2 * tq, col1 = 2 * tq + 1;
+    const bool writes = col0 < G;  // this lane's pair of columns is stored (the second may be padding)
     const float down0 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col0));
     const float down1 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col1));
-
-    // Pass 2: the whole row's softmax state of each query head, merged from the tiles of pass 1 (warp w takes heads
-    // w and w + 4, its lanes a tile each).
-    if constexpr (SCORES) {
-        for (int g = warp; g < G; g += MMA_THREADS / 32) {
-            float mm = NEG_INF, ss = 0.f;
-            const size_t p = (rh * G + g) * n_tiles;
-            for (int t = lane; t < n_tiles; t += 32) merge_state(mm, ss, part_max[p + t], part_sum[p + t]);
-            for (int off = 16; off > 0; off >>= 1)
-                merge_state(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
-            if (lane == 0) { gm[g] = mm; gs[g] = ss; }
-        }
-    }
     __syncthreads();
-    float gm0 = NEG_INF, rs0 = 1.f, gm1 = NEG_INF, rs1 = 1.f;  // the maxima and 1 / sums of exp
-    if constexpr (SCORES) {
-        if (col0 < G) { gm0 = gm[col0]; rs0 = 1.f / gs[col0]; }
-        if (col1 < G) { gm1 = gm[col1]; rs1 = 1.f / gs[col1]; }
-    }
 
     const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * KT;
     const unsigned char* entries = reinterpret_cast<const unsigned char*>(table + copy);  // entry v at v << 7 bytes
     unsigned char* ring_a = &stage[warp][0][gid * M + tq * KT];
     unsigned char* ring_b = &stage[warp][0][(gid + 8) * M + tq * KT];
+    unsigned* exps_head = exps + rh * N * pairs + tq;
+    float* gmax_head = gmaxes + rh * groups * (2 * pairs) + col0;
     const float unit = 1.f / sqrt_d;
 
     // Codes stream through a ring of DEPTH stages per warp (cp.async): DEPTH - 1 groups of 16 tokens are in flight
@@ -353,13 +351,13 @@ __device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, 
         cp_async<KT>(ring_b + slot, code_head + (size_t)min(nb, n1 - 1) * M, nb < n1);
         cp_async_commit();
     };
-    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // pass 1: this tile's states of columns col0, col1
+    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's states of columns col0, col1
 #pragma unroll
     for (int i = 0; i < DEPTH - 1; ++i) issue(i);
     for (int it = 0; it < iters; ++it) {
         issue(it + DEPTH - 1);
         cp_async_wait<DEPTH - 1>();
-        const int na = first + it * STRIDE + gid, nb = na + 8;
+        const int base = first + it * STRIDE, na = base + gid, nb = na + 8;
         unsigned wa[W], wb[W];
         load_words<KT>(ring_a + (it % DEPTH) * 16 * M, wa);
         load_words<KT>(ring_b + (it % DEPTH) * 16 * M, wb);
@@ -388,71 +386,109 @@ __device__ __forceinline__ void code_mma_impl(float* part_max, float* part_sum, 
         const float la1 = ok_a ? c[1] * down1 * scale_a * scaling : NEG_INF;
         const float lb0 = ok_b ? c[2] * down0 * scale_b * scaling : NEG_INF;
         const float lb1 = ok_b ? c[3] * down1 * scale_b * scaling : NEG_INF;
-        if constexpr (SCORES) {
-            float best_a = 0.f, best_b = 0.f;
-            if (col0 < G && gm0 != NEG_INF) {
-                best_a = fmaxf(best_a, __expf(la0 - gm0) * rs0);
-                best_b = fmaxf(best_b, __expf(lb0 - gm0) * rs0);
-            }
-            if (col1 < G && gm1 != NEG_INF) {
-                best_a = fmaxf(best_a, __expf(la1 - gm1) * rs1);
-                best_b = fmaxf(best_b, __expf(lb1 - gm1) * rs1);
-            }
-            best_a = fmaxf(best_a, __shfl_xor_sync(0xffffffffu, best_a, 1));
-            best_a = fmaxf(best_a, __shfl_xor_sync(0xffffffffu, best_a, 2));
-            best_b = fmaxf(best_b, __shfl_xor_sync(0xffffffffu, best_b, 1));
-            best_b = fmaxf(best_b, __shfl_xor_sync(0xffffffffu, best_b, 2));
-            if (tq == 0 && in_a) scores[rh * N + na] = best_a;
-            if (tq == 0 && in_b) scores[rh * N + nb] = best_b;
-        } else {
-            add_two(m0, s0, la0, lb0);
-            add_two(m1, s1, la1, lb1);
+        // Each column's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4) of the quad lane.
+        float g0 = fmaxf(la0, lb0), g1 = fmaxf(la1, lb1);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
+            g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
         }
+        // exp(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
+        const float ea0 = g0 == NEG_INF ? 0.f : __expf(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : __expf(lb0 - g0);
+        const float ea1 = g1 == NEG_INF ? 0.f : __expf(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : __expf(lb1 - g1);
+        if (writes) {
+            constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
+            if (in_a) exps_head[(size_t)na * pairs] = pack_f16x2(ea0 * UP, ea1 * UP);
+            if (in_b) exps_head[(size_t)nb * pairs] = pack_f16x2(eb0 * UP, eb1 * UP);
+            if (gid == 0) *reinterpret_cast<float2*>(gmax_head + (size_t)(base >> 4) * (2 * pairs)) = make_float2(g0, g1);
+        }
+        add_group(m0, s0, g0, ea0 + eb0);
+        add_group(m1, s1, g1, ea1 + eb1);
     }
     cp_async_wait<0>();
 
-    if constexpr (!SCORES) {
-        // The quad's columns over the warp's 8 row groups, then over the block's warps.
-        for (int off = 4; off < 32; off <<= 1) {
-            merge_state(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
-            merge_state(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
-        }
-        if (gid == 0) {
-            wm[warp][col0] = m0; ws[warp][col0] = s0;
-            wm[warp][col1] = m1; ws[warp][col1] = s1;
-        }
-        __syncthreads();
-        if (threadIdx.x < G) {
-            float mm = NEG_INF, ss = 0.f;
+    // The quad's columns over the warp's 8 row groups, then over the block's warps.
+    for (int off = 4; off < 32; off <<= 1) {
+        merge_state(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
+        merge_state(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
+    }
+    if (gid == 0) {
+        wm[warp][col0] = m0; ws[warp][col0] = s0;
+        wm[warp][col1] = m1; ws[warp][col1] = s1;
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        float mm = NEG_INF, ss = 0.f;
 #pragma unroll
-            for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
-            const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
-            part_max[p] = mm;
-            part_sum[p] = ss;
-        }
+        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
+        const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
+        part_max[p] = mm;
+        part_sum[p] = ss;
     }
 }
 
 #define CODE_MMA(KT)                                                                                               \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS) code_states_mma_k##KT(                              \
-        float* part_max, float* part_sum, const float* query, const unsigned char* codes,                         \
-        long long codes_row_stride, const f16* norms, long long norms_row_stride, const bool* selectable,        \
-        long long sel_row_stride, long long sel_head_stride, const float* grid, float scaling, float sqrt_d,     \
-        int Hkv, int G, int N) {                                                                                 \
-        code_mma_impl<KT, false>(part_max, part_sum, nullptr, query, codes, codes_row_stride, norms,             \
-                                 norms_row_stride, selectable, sel_row_stride, sel_head_stride, grid, scaling,   \
-                                 sqrt_d, Hkv, G, N);                                                             \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS) code_scores_mma_k##KT(                              \
-        float* scores, const float* part_max, const float* part_sum, const float* query,                         \
+        float* part_max, float* part_sum, unsigned* exps, float* gmaxes, const float* query,                      \
         const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
         const bool* selectable, long long sel_row_stride, long long sel_head_stride, const float* grid,          \
         float scaling, float sqrt_d, int Hkv, int G, int N) {                                                    \
-        code_mma_impl<KT, true>(const_cast<float*>(part_max), const_cast<float*>(part_sum), scores, query,       \
-                                codes, codes_row_stride, norms, norms_row_stride, selectable, sel_row_stride,    \
-                                sel_head_stride, grid, scaling, sqrt_d, Hkv, G, N);                              \
+        code_states_mma_impl<KT>(part_max, part_sum, exps, gmaxes, query, codes, codes_row_stride, norms,        \
+                                 norms_row_stride, selectable, sel_row_stride, sel_head_stride, grid, scaling,   \
+                                 sqrt_d, Hkv, G, N);                                                             \
     }
 
 CODE_MMA(4)   // D = 64
 CODE_MMA(8)   // D = 128
 CODE_MMA(16)  // D = 256
+
+#define FINISH_THREADS 256
+#define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16
+
+/// \brief The scores from `code_states_mma`'s outputs: each query head's row state merged from the tiles', then
+/// max over the group of exp(logit - row max) / row sum = exps * 2^-15 * exp(group max - row max) / row sum.
+///
+/// \param scores    [B, Hkv, N] fp32, out: 0 where not selectable or where the head has nothing selectable
+/// \param exps, gmaxes  [B, Hkv, N, Gp] fp16 and [B, Hkv, NG, Gp] fp32, as code_states_mma writes them
+/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, as code_states_mma writes them
+/// Launch: grid (ceil(N / FINISH_TILE), Hkv, B), block FINISH_THREADS threads.
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
+    float* scores, const unsigned* exps, const float* gmaxes, const float* part_max, const float* part_sum, int Hkv,
+    int G, int N, int n_tiles) {
+    __shared__ float gm[8], rs[8], factor[FINISH_TILE / 16][8];
+    const int head = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pairs = (G + 1) / 2, groups = (N + 15) / 16;
+    const size_t rh = (size_t)row * Hkv + head;
+    // Warp g merges query head g's tile states, its lanes a tile each.
+    for (int g = warp; g < G; g += FINISH_THREADS / 32) {
+        float mm = NEG_INF, ss = 0.f;
+        const size_t p = (rh * G + g) * n_tiles;
+        for (int t = lane; t < n_tiles; t += 32) merge_state(mm, ss, part_max[p + t], part_sum[p + t]);
+        for (int off = 16; off > 0; off >>= 1)
+            merge_state(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
+        if (lane == 0) { gm[g] = mm; rs[g] = 1.f / ss; }
+    }
+    __syncthreads();
+    const int n0 = blockIdx.x * FINISH_TILE, n1 = min(N, n0 + FINISH_TILE), grp0 = n0 >> 4;
+    const int count = (n1 - n0 + 15) >> 4;
+    const float* gmax_row = gmaxes + rh * groups * (2 * pairs);
+    for (int i = threadIdx.x; i < count * G; i += FINISH_THREADS) {
+        const int j = i / G, g = i - j * G;
+        const float x = gmax_row[(size_t)(grp0 + j) * (2 * pairs) + g];
+        factor[j][g] = x == NEG_INF || gm[g] == NEG_INF ? 0.f : __expf(x - gm[g]) * rs[g] * (1.f / 32768.f);
+    }
+    __syncthreads();
+    const unsigned* exps_row = exps + rh * N * pairs;
+    for (int n = n0 + threadIdx.x; n < n1; n += FINISH_THREADS) {
+        const float* f = factor[(n - n0) >> 4];
+        float best = 0.f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            if (p >= pairs) break;
+            const unsigned w = exps_row[(size_t)n * pairs + p];
+            best = fmaxf(best, f16_value(w & 0xffffu) * f[2 * p]);
+            if (2 * p + 1 < G) best = fmaxf(best, f16_value(w >> 16) * f[2 * p + 1]);
+        }
+        scores[rh * N + n] = best;
+    }
+}

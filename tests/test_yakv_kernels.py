@@ -358,6 +358,32 @@ def test_tensor_core_scores_hold_any_query_magnitude(magnitude, monkeypatch):
     assert got[~selectable].eq(0).all()
 
 
+@pytest.mark.parametrize("group", [3, 4])
+def test_tensor_core_scores_keep_a_wide_logit_range(group, monkeypatch):
+    """Logits spread over ~100 within each 16-token group (peaked softmaxes, sharp heads): the tensor-core path keeps
+    each logit as an fp16 exponential relative to its group's max (times 2^15), so scores hold 2^-11 relative down to
+    2^-29 of the group's max and are within 2^-39 absolute below; the ranking of the tokens that carry the mass is
+    the twin's."""
+    if torch.cuda.get_device_capability(CUDA) < (8, 0):
+        pytest.skip("tensor-core scoring needs sm_80 or later")
+    calls = spy_on_tensor_cores(monkeypatch)
+    torch.manual_seed(4)
+    batch, kv_heads, num, dim = 2, 2, 4099, 128
+    quantizer = HiggsQuantizer(dim, 4)
+    codes, norms = scoring_state(batch, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA)
+    selectable = torch.rand(batch, kv_heads, num, device=CUDA) < 0.7
+    scaling = 1.5  # logits of std ~15: exponentials from 1 down to far below fp16's range within a group
+    got = code_scores(query, codes, norms, selectable, quantizer, scaling)
+    want = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2.0**-39)
+    assert got[~selectable].eq(0).all()
+    assert bool((want < 2.0**-39).any())  # the range below fp16's was reached
+    k = 16
+    assert torch.equal(got.topk(k, dim=-1).indices.sort(-1).values, want.topk(k, dim=-1).indices.sort(-1).values)
+
+
 def test_code_scores_kernel_reads_a_shared_document_in_place():
     torch.manual_seed(1)
     batch, kv_heads, group, num, dim = 3, 8, 4, 2000, 128

@@ -22,7 +22,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),
     # RoPE of the missed slots after the batched A·B product; `rebuild_keys` defines the rebuilt keys.
     "rebuild_keys": ("shadowkv_cache.ops.rebuild_keys", "rebuild_keys"),
-    # First pass of `code_scores` (logits and per-tile softmax states); with the second pass, the twin's scores.
+    # `code_scores` on tensor cores (one pass over the codes, then the scores from its fp16 exponentials), or the fp32
+    # kernel's logits and per-tile states, whose second pass is `softmax_group_max`; either way the twin's scores.
     "score_codes": ("shadowkv_cache.ops.score_codes", "code_scores_reference"),
     # Second pass of `code_scores`: softmax over the selectable units, max over each GQA group.
     "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),

@@ -10,8 +10,9 @@ block stays bounded whatever N.
 
 `code_scores` is what `QuantizedKeyTopK` ranks tokens by: the softmax over tokens of those logits, summed over
 query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it. For one query token
-on CUDA, `kernels/score_codes.cu` computes it in two passes over the codes: on tensor cores (sm_80+, grid dim 4,
-D in {64, 128, 256}) pass 1 keeps per-tile softmax states and pass 2 writes the scores, with no logits in HBM;
+on CUDA, `kernels/score_codes.cu` computes it: on tensor cores (sm_80+, grid dim 4, D in {64, 128, 256}) in one
+pass over the codes that keeps per-tile softmax states and each logit as an fp16 exponential relative to its 16-token
+group's max (2^-11 relative), then a kernel that turns those into the scores, with no fp32 logits in HBM;
 otherwise an fp32 kernel writes fp32 logits with per-tile states and `softmax_group_max` (softmax_group_max.cu)
 normalises them and takes the group max.
 """
@@ -101,8 +102,10 @@ def attention_scores(logits: torch.Tensor, selectable: torch.Tensor, groups: int
 _MAX_GROUP = 8
 _MAX_DIM = 256
 _THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
-# Tensor-core kernels: 4 warps per block, 2048 tokens per block (score_codes.cu's MMA_TILE).
+# Tensor-core kernels: 4 warps per block, 2048 tokens per block (score_codes.cu's MMA_TILE); the scores from their
+# exponentials: 256 threads, 2048 tokens per block (FINISH_TILE).
 _MMA_THREADS, _MMA_TILE = 128, 2048
+_FINISH_THREADS, _FINISH_TILE = 256, 2048
 _MMA_K_TILES = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
 
 
@@ -196,18 +199,30 @@ def code_scores(
 
 def _code_scores_mma(inputs: list, shape: tuple[int, int, int, int, int], device: torch.device) -> torch.Tensor:
     """The tensor-core kernels' scores `[B, Hkv, N]` fp32 from the launch arguments `_input_args` built of what
-    `code_scores` checked; `shape` is `(B, Hkv, G, N, M)`."""
+    `code_scores` checked; `shape` is `(B, Hkv, G, N, M)`. One pass over the codes writes per-tile states and fp16
+    exponentials relative to each 16-token group's max; the second kernel reads those, not the codes."""
     batch, heads, group, num, m = shape
     tiles = -(-num // _MMA_TILE)
+    pairs = -(-group // 2)  # query heads rounded up to even, as pairs of fp16 in int32 words
     part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
+    exps = torch.empty((batch, heads, num, pairs), dtype=torch.int32, device=device)  # fp16 pairs
+    group_max = torch.empty((batch, heads, -(-num // 16), 2 * pairs), dtype=torch.float32, device=device)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=device)
     i32 = ctypes.c_int
-    common = [*inputs, (heads, i32), (group, i32), (num, i32)]
     kernels = load_kernels("score_codes", device)
-    launch = {"grid": (tiles, heads, batch), "block": (_MMA_THREADS, 1, 1)}
-    kernels.launch(f"code_states_mma_k{m // 4}", args=[part_max, part_sum, *common], **launch)
-    kernels.launch(f"code_scores_mma_k{m // 4}", args=[scores, part_max, part_sum, *common], **launch)
+    kernels.launch(
+        f"code_states_mma_k{m // 4}",
+        grid=(tiles, heads, batch),
+        block=(_MMA_THREADS, 1, 1),
+        args=[part_max, part_sum, exps, group_max, *inputs, (heads, i32), (group, i32), (num, i32)],
+    )
+    kernels.launch(
+        "code_scores_finish",
+        grid=(-(-num // _FINISH_TILE), heads, batch),
+        block=(_FINISH_THREADS, 1, 1),
+        args=[scores, exps, group_max, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
+    )
     return scores
 
 
