@@ -153,3 +153,75 @@ def test_beam_search_reorders_the_held_tokens_with_their_rows():
     assert reused_cache.layers[0].mode.held.ids.shape[0] == 6  # one row of slots per beam
     hits, lookups = reused_cache.layers[0].hit_counts()
     assert 0 < hits < lookups
+
+
+@pytest.fixture
+def halves_on_cpu(monkeypatch):
+    """YAKV's one-token steps select and fetch in two halves on the CPU too (from 2 rows), as they do on CUDA; the
+    halves then run one after the other, with no side stream."""
+    import shadowkv_cache.yakv.mode as yakv_mode
+
+    monkeypatch.setattr(yakv_mode, "_SPLIT_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(yakv_mode, "FETCH_SPLIT_MIN_ROWS", 2)
+
+
+def whole_batch_steps(monkeypatch) -> None:
+    import shadowkv_cache.yakv.mode as yakv_mode
+
+    monkeypatch.setattr(yakv_mode, "FETCH_SPLIT_MIN_ROWS", 10**9)
+
+
+@pytest.mark.parametrize("rows, shared", [(2, False), (5, False), (4, True)])
+def test_halved_steps_equal_whole_batch_steps(rows, shared, halves_on_cpu, monkeypatch):
+    """Selecting and fetching a batch in two halves (so that one half's fetch runs beside the other's scoring) gives
+    the whole-batch step's tokens, logits, hit counts and fetched bytes: selection and held tokens are per row.
+    Left-padded rows of different lengths (of 5 rows, one is too short to compress and selects nothing), or
+    questions over one forked document (stride-0 rows)."""
+    model = tiny_model("llama")
+    overrides = {"mode": "yakv", "sparse_budget": 24, "min_compress_len": 64}
+    options = {}
+    if shared:
+        doc = random_prompt(300, seed=69)
+        ids = torch.cat([doc, random_prompt(3, seed=68)], dim=1).expand(rows, -1)
+
+        def make():
+            return ShadowKVCache.prefill(model, doc, **overrides).fork(rows)
+    else:
+        lengths = [300, 280, 40, 310, 290][:rows]
+        ids, options["attention_mask"] = left_pad([random_prompt(n, seed=70 + i)[0] for i, n in enumerate(lengths)])
+
+        def make():
+            return ShadowKVCache(model, **overrides)
+
+    halved_cache = make()
+    halved = generate_with(model, ids, halved_cache, max_new_tokens=10, **options)
+    assert halved_cache.layers[0].mode._parts is not None  # the halved path ran
+    whole_batch_steps(monkeypatch)
+    whole_cache = make()
+    whole = generate_with(model, ids, whole_cache, max_new_tokens=10, **options)
+    assert whole_cache.layers[0].mode._parts is None
+    assert torch.equal(halved.sequences, whole.sequences)
+    torch.testing.assert_close(torch.stack(halved.logits), torch.stack(whole.logits), rtol=1e-6, atol=1e-6)
+    for a, b in zip(halved_cache.layers, whole_cache.layers):
+        assert a.mode.hit_counts() == b.mode.hit_counts()
+        assert a.mode.fetched_bytes == b.mode.fetched_bytes > 0
+
+
+def test_halved_steps_keep_the_constructed_hit_rate(halves_on_cpu):
+    """`ControlledHitRate` (the throughput benchmark's YAKV selection) keeps its state per policy-state tensor: the
+    halves' views are made once, so each half slides its own window once per step and the hit rate is the one
+    constructed."""
+    from shadowkv_cache.testing import layer_sizes, reset_hit_counts, synthetic_cache
+
+    model = tiny_model("llama")
+    settings = dict(mode="yakv", sparse_budget=32, recent_window=16, min_compress_len=64)
+    cache = synthetic_cache(model, 4, 256, hit_rate=0.75, **settings)
+    token = torch.ones(4, 1, dtype=torch.long)
+    forward_with(model, token, cache)
+    reset_hit_counts(cache)
+    for _ in range(5):
+        forward_with(model, token, cache)
+    assert cache.layers[0].mode._parts is not None
+    k = layer_sizes(model, cache.config, 256).resolved.budget_chunks
+    assert cache.memory_report().hit_rate == pytest.approx(0.75)
+    assert cache.policy.expected_hit_rate(k) == pytest.approx(0.75)
