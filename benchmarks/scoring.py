@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import free, hbm_bandwidth, log, sync
+from shadowkv_cache.ops import score_codes
 from shadowkv_cache.ops.score_codes import code_scores
 from shadowkv_cache.quant import HiggsQuantizer
 
@@ -57,8 +58,18 @@ def time_ms(fn, device: torch.device, warm: int = 3, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def one_layer(context: int, batch: int, heads: int, group: int, dim: int, device: torch.device, bandwidth: float):
-    """Rows for one (context, batch): each kernel's time and rates, and their agreement."""
+def one_layer(
+    context: int,
+    batch: int,
+    heads: int,
+    group: int,
+    dim: int,
+    device: torch.device,
+    bandwidth: float,
+    grids: list[tuple[int, int]],
+):
+    """Rows for one (context, batch): each kernel's time and rates, and their agreement. `grids` are the settings of
+    D = 128's tensor-core grid to time (`MMA_K8_GRID`), the first one compared with the fp32 kernel."""
     quantizer = HiggsQuantizer(dim, 4)
     m = quantizer.num_subvectors
     gen = torch.Generator(device=device).manual_seed(0)
@@ -78,16 +89,19 @@ def one_layer(context: int, batch: int, heads: int, group: int, dim: int, device
     }
     rows, outputs = [], {}
     kernels = KERNELS if device.type == "cuda" else {"twin": False}
-    for name, tensor_cores in kernels.items():
+    variants = [(name, cores, grid) for name, cores in kernels.items() for grid in (grids if cores else grids[:1])]
+    for name, tensor_cores, grid in variants:
+        score_codes.MMA_K8_GRID = grid
         run = functools.partial(code_scores, query, codes, norms, selectable, quantizer, scaling, tensor_cores)
         ms = time_ms(run, device)
-        scores = outputs[name] = run()
+        scores = run()
+        outputs.setdefault(name, scores)
         topk_ms = time_ms(functools.partial(torch.topk, scores, k, dim=-1), device)
         rows.append(
             {
                 "context": context,
                 "batch": batch,
-                "kernel": name,
+                "kernel": name if not tensor_cores or len(grids) == 1 else f"{name} {grid[0]}x{grid[1]}",
                 "ms": round(ms, 4),
                 "codes_GBps": round(once / ms / 1e6, 1),
                 "codes_share_of_hbm": round(once / ms / 1e-3 / bandwidth, 3) if bandwidth == bandwidth else None,
@@ -97,6 +111,7 @@ def one_layer(context: int, batch: int, heads: int, group: int, dim: int, device
             }
         )
         log("RESULT", rows[-1])
+    score_codes.MMA_K8_GRID = grids[0]
     if len(outputs) == 2:
         a, b = outputs["tensor cores"], outputs["fp32"]
         rel = ((a - b).abs() / b.abs().clamp_min(1e-30)).where(b > 1e-6 * b.amax(), torch.zeros_like(b))
@@ -118,18 +133,30 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--mma-grids", default=None,
+                        help="D = 128 tensor-core grids to time, 'blocks:stages,...' (MMA_K8_GRID in "
+                             "ops/score_codes.py; default: its value)")  # fmt: skip
     parser.add_argument("--name", default=None)
     add_results_dir_option(parser)
     args = parser.parse_args()
     device = torch.device("cpu" if args.small else args.device)
     contexts = [2048] if args.small else [int(c) for c in args.contexts.split(",")]
     batches = [1, 2] if args.small else [int(b) for b in args.batches.split(",")]
+    grids = [score_codes.MMA_K8_GRID]
+    if args.mma_grids:
+        try:
+            grids = [tuple(int(x) for x in g.split(":")) for g in args.mma_grids.split(",")]
+        except ValueError:
+            grids = []
+        if not grids or any(len(g) != 2 or not (1 <= g[0] <= 8 and 2 <= g[1] <= 5) for g in grids):
+            parser.error(f"--mma-grids takes blocks:stages pairs (blocks 1-8, stages 2-5), e.g. 4:5,5:4; got "
+                         f"{args.mma_grids!r}")  # fmt: skip
     bandwidth = hbm_bandwidth(device)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for context in contexts:
         for batch in batches:
-            rows += one_layer(context, batch, args.kv_heads, args.group, args.dim, device, bandwidth)
+            rows += one_layer(context, batch, args.kv_heads, args.group, args.dim, device, bandwidth, grids)
             free(device)  # one layer's codes at a time
     env = environment(str(device), "bfloat16 queries, uint8 codes")
     env["hbm_copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1) if bandwidth == bandwidth else None

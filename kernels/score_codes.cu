@@ -202,6 +202,14 @@ CODE_LOGITS_ALL_G(8)
 // Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
 
 #define MMA_THREADS 128
+// The grid of D = 128 (KT = 8), the most common head dim: blocks per SM that registers are budgeted for, and stages of
+// the code ring (shared memory sets the blocks too: 4 at 5 stages, 5 at 4). score_codes.py passes its own values.
+#ifndef MMA_MIN_BLOCKS_K8
+#define MMA_MIN_BLOCKS_K8 4
+#endif
+#ifndef MMA_DEPTH_K8
+#define MMA_DEPTH_K8 5
+#endif
 #define MMA_TILE 2048   // tokens per block (score_codes.py's _MMA_TILE)
 #define MMA_COPIES 16  // copies of the grid in shared memory, one per lane of a half-warp: no bank conflicts
 #define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN
@@ -274,7 +282,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                                      const float* grid, float scaling, float sqrt_d, int Hkv, int G,
                                                      int N) {
     constexpr int M = 4 * KT, D = 4 * M, W = KT / 4, STRIDE = MMA_THREADS / 32 * 16;
-    constexpr int DEPTH = KT == 16 ? 2 : 5;  // stages of the code ring; under 48 KiB of static shared memory in all
+    // Stages of the code ring; under 48 KiB of static shared memory in all.
+    constexpr int DEPTH = KT == 16 ? 2 : KT == 8 ? MMA_DEPTH_K8 : 5;
     __shared__ uint2 table[256 * MMA_COPIES];
     __shared__ unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[MMA_THREADS / 32][DEPTH][16 * M];
@@ -427,8 +436,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     }
 }
 
-#define CODE_MMA(KT)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS) code_states_mma_k##KT(                              \
+#define CODE_MMA(KT, MIN_BLOCKS)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MIN_BLOCKS) code_states_mma_k##KT(                              \
         float* part_max, float* part_sum, unsigned* exps, float* gmaxes, const float* query,                      \
         const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
         const bool* selectable, long long sel_row_stride, long long sel_head_stride, const float* grid,          \
@@ -438,9 +447,9 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                  sqrt_d, Hkv, G, N);                                                             \
     }
 
-CODE_MMA(4)   // D = 64
-CODE_MMA(8)   // D = 128
-CODE_MMA(16)  // D = 256
+CODE_MMA(4, 1)                  // D = 64: 92 registers, so 5 blocks per SM whatever the bound
+CODE_MMA(8, MMA_MIN_BLOCKS_K8)  // D = 128
+CODE_MMA(16, 1)                 // D = 256: 150 registers, 3 blocks per SM
 
 #define FINISH_THREADS 256
 #define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16

@@ -107,6 +107,14 @@ _THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
 _MMA_THREADS, _MMA_TILE = 128, 2048
 _FINISH_THREADS, _FINISH_TILE = 256, 2048
 _MMA_K_TILES = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
+# D = 128's tensor-core grid: (blocks per SM its registers are budgeted for, stages of its code ring), compiled in
+# (score_codes.cu's MMA_MIN_BLOCKS_K8, MMA_DEPTH_K8); benchmarks/scoring.py compares settings.
+MMA_K8_GRID = (4, 5)
+
+
+def _kernels(device: torch.device):
+    blocks, depth = MMA_K8_GRID
+    return load_kernels("score_codes", device, (("MMA_MIN_BLOCKS_K8", blocks), ("MMA_DEPTH_K8", depth)))
 
 
 @functools.cache
@@ -182,7 +190,7 @@ def code_scores(
     part_sum = torch.empty_like(part_max)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=query.device)
     i32 = ctypes.c_int
-    load_kernels("score_codes", query.device).launch(
+    _kernels(query.device).launch(
         f"code_logits_p{p}_g{group}",
         grid=(tiles, heads, batch),
         block=(_THREADS, 1, 1),
@@ -210,7 +218,7 @@ def _code_scores_mma(inputs: list, shape: tuple[int, int, int, int, int], device
     group_max = torch.empty((batch, heads, -(-num // 16), 2 * pairs), dtype=torch.float32, device=device)
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=device)
     i32 = ctypes.c_int
-    kernels = load_kernels("score_codes", device)
+    kernels = _kernels(device)
     kernels.launch(
         f"code_states_mma_k{m // 4}",
         grid=(tiles, heads, batch),
