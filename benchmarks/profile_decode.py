@@ -182,12 +182,11 @@ def profile_generate(model, cache, batch: int, context: int, device: torch.devic
 
 
 def fetch_overlap(kernels: list[dict], step_ms: float) -> dict | None:
-    """How much of the fetch (ShadowKV's values, YAKV's records) ran beside other kernels: the device time summed over
-    kernels less the step's wall time is time during which kernels overlapped, and only the fetch runs on a side
-    stream, so that over the fetch's own time is about a lower bound on the share hidden (idle gaps in the step lower
-    it; the step time comes from the timed steps, the kernel times from 3 profiled ones). None without a fetch
-    kernel."""
-    fetch_ms = sum(k["ms_per_step"] for k in kernels[1:] if k["name"].startswith(("gather_values", "gather_dequant")))
+    """How much of ShadowKV's value fetch ran beside other kernels: the device time summed over kernels less the step's
+    wall time is time during which kernels overlapped, and only the fetch runs on a side stream, so that over the
+    fetch's own time is about a lower bound on the share hidden (idle gaps in the step lower it; the step time comes
+    from the timed steps, the kernel times from 3 profiled ones). None without a fetch kernel."""
+    fetch_ms = sum(k["ms_per_step"] for k in kernels[1:] if k["name"].startswith("gather_values"))
     if not fetch_ms:
         return None
     overlap_ms = max(0.0, kernels[0]["ms_per_step"] - step_ms)
