@@ -28,7 +28,7 @@
 /// \param total         B*Hkv*K
 /// \param vec4          1 when `host`, both strides and E are multiples of 4 (4-byte loads)
 /// \param grid          [256, p] float32 grid points; \param signs [D] float32 (+-1), on the device
-/// Launch: grid of up to ceil(total / 8) blocks (warps stride over the slots), block 256 threads.
+/// Launch: grid ceil(total / 8), block 256 threads.
 template <typename T, int EPL>
 __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids, const bool* fetch,
                                                     const unsigned char* host, const long long* row_map,
@@ -37,50 +37,45 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
                                                     const float* grid, const float* signs) {
     __shared__ unsigned int rec[GD_WARPS][GD_MAX_WORDS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int lanes = D < 32 ? D : 32, m = D / p;
+    const long long slot = (long long)blockIdx.x * GD_WARPS + warp;
+    if (slot >= total) return;  // uniform over the warp
+    if (fetch != nullptr && !fetch[slot]) return;  // a held token: its key and value are already in place
+    const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
+    const unsigned char* src = host + row_map[row] * row_stride + head * head_stride + ids[slot] * (long long)E;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(rec[warp]);
-    // Warps stride over the slots: a grid smaller than one warp per slot leaves SMs to the kernels beside it (the fetch
-    // of half a batch runs on a side stream while the other half is scored).
-    for (long long slot = (long long)blockIdx.x * GD_WARPS + warp; slot < total;
-         slot += (long long)gridDim.x * GD_WARPS) {  // uniform over the warp
-        if (fetch != nullptr && !fetch[slot]) continue;  // a held token: its key and value are already in place
-        const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
-        const unsigned char* src = host + row_map[row] * row_stride + head * head_stride + ids[slot] * (long long)E;
-        if (vec4) {
-            const unsigned int* words = reinterpret_cast<const unsigned int*>(src);
-            for (int w = lane; w < (E >> 2); w += 32) rec[warp][w] = words[w];
-        } else {
-            for (int b = lane; b < E; b += 32) bytes[b] = src[b];
-        }
-        __syncwarp();
+    if (vec4) {
+        const unsigned int* words = reinterpret_cast<const unsigned int*>(src);
+        for (int w = lane; w < (E >> 2); w += 32) rec[warp][w] = words[w];
+    } else {
+        for (int b = lane; b < E; b += 32) bytes[b] = src[b];
+    }
+    __syncwarp();
 
-        float k[EPL], v[EPL];
+    const int lanes = D < 32 ? D : 32, m = D / p;
+    float k[EPL], v[EPL];
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) {
-            const int c = lane * EPL + j;
-            if (lane < lanes) {
-                const int sub = c / p, comp = c - sub * p;
-                k[j] = __ldg(grid + bytes[4 + sub] * p + comp);
-                v[j] = __ldg(grid + bytes[4 + m + sub] * p + comp);
-            } else {
-                k[j] = v[j] = 0.f;
-            }
-        }
-        warp_hadamard<EPL>(k, lanes);
-        warp_hadamard<EPL>(v, lanes);
+    for (int j = 0; j < EPL; ++j) {
+        const int c = lane * EPL + j;
         if (lane < lanes) {
-            const float k_scale = to_f32(f16{(unsigned short)(rec[warp][0] & 0xffffu)}) / (float)D;
-            const float v_scale = to_f32(f16{(unsigned short)(rec[warp][0] >> 16)}) / (float)D;
-            T* kd = keys + slot * D + lane * EPL;
-            T* vd = values + slot * D + lane * EPL;
-#pragma unroll
-            for (int j = 0; j < EPL; ++j) {
-                const float s = __ldg(signs + lane * EPL + j);
-                kd[j] = from_f32<T>(k[j] * k_scale * s);
-                vd[j] = from_f32<T>(v[j] * v_scale * s);
-            }
+            const int sub = c / p, comp = c - sub * p;
+            k[j] = __ldg(grid + bytes[4 + sub] * p + comp);
+            v[j] = __ldg(grid + bytes[4 + m + sub] * p + comp);
+        } else {
+            k[j] = v[j] = 0.f;
         }
-        __syncwarp();  // the record's buffer is read above before the next slot overwrites it
+    }
+    warp_hadamard<EPL>(k, lanes);
+    warp_hadamard<EPL>(v, lanes);
+    if (lane >= lanes) return;
+    const float k_scale = to_f32(f16{(unsigned short)(rec[warp][0] & 0xffffu)}) / (float)D;
+    const float v_scale = to_f32(f16{(unsigned short)(rec[warp][0] >> 16)}) / (float)D;
+    T* kd = keys + slot * D + lane * EPL;
+    T* vd = values + slot * D + lane * EPL;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const float s = __ldg(signs + lane * EPL + j);
+        kd[j] = from_f32<T>(k[j] * k_scale * s);
+        vd[j] = from_f32<T>(v[j] * v_scale * s);
     }
 }
 

@@ -20,7 +20,7 @@ import torch
 
 from ..quant import HiggsQuantizer
 from ..stores.quantized_store import QuantizedKVStore, record_bytes, unpack_records
-from .loader import kernels_available, load_kernels, strided_grid
+from .loader import kernels_available, load_kernels
 
 __all__ = [
     "dequant_records",
@@ -110,19 +110,14 @@ def gather_dequant_missed(
     quantizer: HiggsQuantizer,
     keys: torch.Tensor,
     values: torch.Tensor,
-    blocks_per_sm: float | None = None,
 ) -> None:
     """Write into `keys` and `values` (`[B, Hkv, K, D]`, contiguous) the tokens `ids` (`[B, Hkv, K]` int64) of the
     slots flagged in `missed` (`[B, Hkv, K]` bool); other slots are neither read from the store nor written (their
-    ids may be -1). Same numerics as `gather_dequant`.
-
-    `blocks_per_sm` caps the kernel's grid (its warps stride over the slots): a fetch on a side stream leaves the
-    SMs to the kernels beside it. By default one warp per slot.
-    """
+    ids may be -1). Same numerics as `gather_dequant`."""
     if not (_kernel_fits(store, ids, quantizer, keys.dtype) and keys.is_contiguous() and values.is_contiguous()):
         gather_dequant_missed_reference(store, ids, missed, quantizer, keys, values)
         return
-    _launch(store, ids, missed.contiguous(), quantizer, keys, values, blocks_per_sm)
+    _launch(store, ids, missed.contiguous(), quantizer, keys, values)
 
 
 def _launch(
@@ -132,10 +127,8 @@ def _launch(
     quantizer: HiggsQuantizer,
     keys: torch.Tensor,
     values: torch.Tensor,
-    blocks_per_sm: float | None = None,
 ) -> None:
-    """The kernel over every slot of `ids`, or only those flagged in `fetch` (bool, same shape); at most
-    `blocks_per_sm` blocks per SM when given."""
+    """The kernel over every slot of `ids`, or only those flagged in `fetch` (bool, same shape)."""
     batch, heads, k = ids.shape
     total = batch * heads * k
     if not total:
@@ -147,11 +140,10 @@ def _launch(
     row_stride, head_stride = data.stride(0), data.stride(1)  # bytes: uint8
     grid, signs = quantizer.device_tables(ids.device)
     per_lane = max(1, dim // 32)
-    blocks = -(-total // _WARPS)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     load_kernels("gather_dequant", ids.device).launch(
         f"gather_dequant_{_KERNEL_DTYPES[keys.dtype]}_e{per_lane}",
-        grid=(blocks, 1, 1) if blocks_per_sm is None else strided_grid(ids.device, blocks, blocks_per_sm),
+        grid=(-(-total // _WARPS), 1, 1),
         block=(32 * _WARPS, 1, 1),
         args=[
             keys,

@@ -99,16 +99,9 @@ class HeldTokens:
         self.lookups += selected
         return missed, fetched
 
-    def fetch(
-        self,
-        missed: torch.Tensor,
-        store: QuantizedKVStore,
-        quantizer: HiggsQuantizer,
-        blocks_per_sm: float | None = None,
-    ) -> None:
-        """`refresh`'s second half: read and dequantise the records of the slots `missed` (from `scan`) in place, on
-        at most `blocks_per_sm` blocks per SM when given (`gather_dequant_missed`)."""
-        gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values, blocks_per_sm)
+    def fetch(self, missed: torch.Tensor, store: QuantizedKVStore, quantizer: HiggsQuantizer) -> None:
+        """`refresh`'s second half: read and dequantise the records of the slots `missed` (from `scan`) in place."""
+        gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
 
     def row_range(self, start: int, stop: int) -> HeldTokens:
         """Rows `start` to `stop - 1` of these slots as views (what the one does, the other holds); the counters are

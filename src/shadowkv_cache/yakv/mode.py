@@ -39,9 +39,6 @@ __all__ = ["FETCH_SPLIT_MIN_ROWS", "YakvMode"]
 # Batches of this many rows or more select and fetch in two halves, the fetch of the first beside the selection of the
 # second (`YakvMode._select_beside_fetch`); below it the fetch is short and halving the kernels costs more.
 FETCH_SPLIT_MIN_ROWS = 4
-# Blocks per SM of a fetch on the side stream: a grid of one warp per slot would hold every SM until its last PCIe read
-# and keep the other half's scoring out; 8 warps per SM keep ~1000 records in flight, over what PCIe needs.
-SIDE_FETCH_BLOCKS_PER_SM = 1.0
 _SPLIT_DEVICES = ("cuda",)  # where the halves overlap (the tests add "cpu" to run the same path there)
 
 
@@ -274,7 +271,7 @@ class YakvMode:
                 self._fetched_records += fetched
                 missed_parts.append(missed)
                 if side is not None:
-                    side.run(slots.fetch, missed, part.store, quantizer, SIDE_FETCH_BLOCKS_PER_SM)
+                    side.run(slots.fetch, missed, part.store, quantizer)
                 else:
                     slots.fetch(missed, part.store, quantizer)
         return self.held.keys, self.held.values, self.held.held
