@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import generate_with, left_pad, make_tiny_model, random_prompt
+from helpers import generate_with, make_tiny_model, random_prompt
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.ops.gather_dequant import (
@@ -363,7 +363,7 @@ def test_tensor_core_scores_keep_a_wide_logit_range(group, monkeypatch):
     """Logits spread over ~100 within each 16-token group (peaked softmaxes, sharp heads): the tensor-core path keeps
     each logit as an fp16 exponential relative to its group's max (times 2^15), so scores hold 2^-11 relative down to
     2^-29 of the group's max and are within 2^-39 absolute below; the ranking of the tokens that carry the mass is
-    the twin's (heads with one dominant token here: the rest of their scores fall below 2^-39)."""
+    the twin's."""
     if torch.cuda.get_device_capability(CUDA) < (8, 0):
         pytest.skip("tensor-core scoring needs sm_80 or later")
     calls = spy_on_tensor_cores(monkeypatch)
@@ -380,12 +380,8 @@ def test_tensor_core_scores_keep_a_wide_logit_range(group, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=2.0**-39)
     assert got[~selectable].eq(0).all()
     assert bool((want < 2.0**-39).any())  # the range below fp16's was reached
-    # Every token the kernel's top-k picks is, by the twin's scores, as good as the twin's own k-th best up to the
-    # bounds above (below 2^-39 the order is not kept: such tokens carry no mass worth selecting).
-    k = 64
-    picked = want.gather(-1, got.topk(k, dim=-1).indices)
-    kth = want.topk(k, dim=-1).values[..., -1:]
-    assert bool((picked >= kth * (1 - 1e-3) - 2.0**-39).all())
+    k = 16
+    assert torch.equal(got.topk(k, dim=-1).indices.sort(-1).values, want.topk(k, dim=-1).indices.sort(-1).values)
 
 
 def test_code_scores_kernel_reads_a_shared_document_in_place():
@@ -462,41 +458,3 @@ def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
         assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate
         assert fetched_bytes(graphed) == fetched_bytes(eager) > 0
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_halved_steps_overlap_the_fetch_and_give_the_whole_batch_steps(shared, monkeypatch):
-    """A batch of FETCH_SPLIT_MIN_ROWS rows or more selects and fetches in two halves, the first half's fetch on the
-    side stream beside the second half's scoring, inside the captured step graphs: the tokens, logits, hit counts and
-    fetched bytes of eager whole-batch steps. Left-padded rows of different lengths (one too short to compress), or
-    five questions over one forked document (stride-0 rows)."""
-    import shadowkv_cache.yakv.mode as yakv_mode
-
-    model = make_tiny_model("llama").to(CUDA)
-    config = {"mode": "yakv", "sparse_budget": 1100, "min_compress_len": 64}
-    options = {}
-    if shared:
-        doc = random_prompt(1500, seed=8).to(CUDA)
-        ids = torch.cat([doc, random_prompt(3, seed=9).to(CUDA)], dim=1).expand(5, -1)
-
-        def make(**extra):
-            return ShadowKVCache.prefill(model, doc, **config, **extra).fork(5)
-    else:
-        ids, mask = left_pad([random_prompt(n, seed=80 + i)[0] for i, n in enumerate([1500, 1400, 40, 1450, 1300])])
-        ids, options["attention_mask"] = ids.to(CUDA), mask.to(CUDA)
-
-        def make(**extra):
-            return ShadowKVCache(model, **config, **extra)
-
-    halved_cache = make()
-    halved = generate_with(model, ids, halved_cache, max_new_tokens=24, **options)
-    assert halved_cache.layers[0].mode._parts is not None  # the halved path ran
-    assert halved_cache.step_graphs.replays >= 20
-    monkeypatch.setattr(yakv_mode, "FETCH_SPLIT_MIN_ROWS", 10**9)
-    whole_cache = make(cuda_graphs=False)
-    whole = generate_with(model, ids, whole_cache, max_new_tokens=24, **options)
-    assert whole_cache.layers[0].mode._parts is None
-    assert torch.equal(halved.sequences, whole.sequences)
-    torch.testing.assert_close(torch.stack(halved.logits), torch.stack(whole.logits), rtol=1e-5, atol=1e-5)
-    assert halved_cache.memory_report().hit_rate == whole_cache.memory_report().hit_rate
-    assert fetched_bytes(halved_cache) == fetched_bytes(whole_cache) > 0

@@ -137,12 +137,6 @@ class QuantizedKVStore:
         out._pointers = self._pointers  # the same host memory
         return out
 
-    def row_range(self, start: int, stop: int) -> QuantizedKVStore:
-        """A store whose cache rows are `start` to `stop - 1` of this one's, made of views (`RowMap.narrow`)."""
-        out = QuantizedKVStore(self.data, self.stored_rows.narrow(start, stop))
-        out._pointers = self._pointers  # the same host memory
-        return out
-
     def rows(self, count: int) -> torch.Tensor:
         """Every record of the first `count` cache rows, `[count, Hkv, N, E]`: a view of the store when
         `count == 1` (an index tensor would first copy the document on the host)."""

@@ -44,14 +44,6 @@ class RowMap:
             self._device = self.host.to(device)
         return self._device
 
-    def narrow(self, start: int, stop: int) -> RowMap:
-        """The map of cache rows `start` to `stop - 1`: views of both copies, so nothing moves between host and device
-        (a step may take it while a CUDA graph is captured)."""
-        out = RowMap(self.host[start:stop])
-        if self._device is not None:
-            out._device = self._device[start:stop]
-        return out
-
     def select(self, index: torch.Tensor) -> RowMap:
         """The map of cache rows `index` (`[B']`, any device)."""
         out = RowMap(self.host[index.to("cpu")])

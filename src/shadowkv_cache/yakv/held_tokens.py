@@ -83,30 +83,12 @@ class HeldTokens:
         """Hold the tokens `wanted` (`[B, Hkv, K]` int64, distinct where `valid` `[B, Hkv, K]` bool): keep the ones
         already held, fetch and dequantise the rest into freed slots. Returns the records fetched (a device
         scalar)."""
-        missed, fetched = self.scan(wanted, valid)
-        self.fetch(missed, store, quantizer)
-        return fetched
-
-    def scan(self, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`refresh`'s first half: keep the held tokens still wanted, give each new one a freed slot, count the step.
-        Returns the slots to fetch (`[B, Hkv, K]` bool) and their number (a device scalar). The slots' tensors stay
-        the same objects (row views of a batch's slots, CUDA graphs)."""
-        ids, missed = temporal_scan(self.ids, wanted, valid)
-        if ids is not self.ids:  # the twin returns a new tensor; the kernels write in place
-            self.ids.copy_(ids)
+        self.ids, missed = temporal_scan(self.ids, wanted, valid)
+        gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
         selected, fetched = valid.sum(), missed.sum()
         self.hits += (selected - fetched).clamp(min=0)
         self.lookups += selected
-        return missed, fetched
-
-    def fetch(self, missed: torch.Tensor, store: QuantizedKVStore, quantizer: HiggsQuantizer) -> None:
-        """`refresh`'s second half: read and dequantise the records of the slots `missed` (from `scan`) in place."""
-        gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
-
-    def row_range(self, start: int, stop: int) -> HeldTokens:
-        """Rows `start` to `stop - 1` of these slots as views (what the one does, the other holds); the counters are
-        shared."""
-        return HeldTokens(self.ids[start:stop], self.keys[start:stop], self.values[start:stop], self.counts)
+        return fetched
 
     def select_rows(self, index: torch.Tensor) -> HeldTokens:
         """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""

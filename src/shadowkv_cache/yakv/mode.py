@@ -7,11 +7,10 @@ tokens per KV head, D head dim.
 At prefill the prompt's post-RoPE keys and values are quantised ~4-bit into host memory and a ~2-bit copy of every
 key stays on the device. Each decode step scores every token from that copy, selects the top-K tokens per KV head,
 keeps the ones the previous step already fetched (`HeldTokens`), fetches and dequantises the others, and attends
-exactly over them, the recent window and the tokens after the prompt. A batch of `FETCH_SPLIT_MIN_ROWS` rows or more
-does the selection and the fetch in two halves, so that the first half's fetch crosses PCIe while the second half
-is scored. No SVD, landmarks or outliers. Nothing in a one-token step waits for the host (the counters live on the
-device, the scan and the fetch write in place) when the records are pinned, so the layer captures it as a CUDA graph
-and replays it (`hf/decode_graph.py`), as in ShadowKV mode.
+exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. Nothing in a
+one-token step waits for the host (the counters live on the device, the scan and the fetch write in place) when
+the records are pinned, so the layer captures it as a CUDA graph and replays it (`hf/decode_graph.py`), as in
+ShadowKV mode.
 
 A policy that shares the budget across heads (`SharedBudgetTopK`) gives each head up to `Hkv*k` slots, of which
 `k` are valid on average: holding them all would take `Hkv` times the memory, so such a step fetches its valid
@@ -20,26 +19,18 @@ selection afresh (no reuse).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from ..config import ShadowKVConfig
 from ..core.attention import NO_TERMS, LogitTerms, Part
 from ..ops.attend_parts import attend_parts
 from ..ops.gather_dequant import dequant_records, gather_dequant_missed
-from ..ops.side_stream import SideFetch
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
 from .held_tokens import HeldTokens
 from .prompt import QuantizedPrompt, quantize_prompt
 
-__all__ = ["FETCH_SPLIT_MIN_ROWS", "YakvMode"]
-
-# Batches of this many rows or more select and fetch in two halves, the fetch of the first beside the selection of the
-# second (`YakvMode._select_beside_fetch`); below it the fetch is short and halving the kernels costs more.
-FETCH_SPLIT_MIN_ROWS = 4
-_SPLIT_DEVICES = ("cuda",)  # where the halves overlap (the tests add "cpu" to run the same path there)
+__all__ = ["YakvMode"]
 
 
 class YakvMode:
@@ -68,8 +59,6 @@ class YakvMode:
         # The held tokens' hit counters, kept when the slots are dropped and made again (a new prefix, a rolled-back
         # call), so that they count every step of this layer, as the byte counter does.
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._parts: tuple | None = None  # (prompt, held, row ranges, their views) of `_select_beside_fetch`
-        self._side: SideFetch | None = None
 
     def empty_like(self) -> YakvMode:
         """A mode of the same settings that holds nothing; it shares the quantiser, whose tables are already on the
@@ -181,20 +170,16 @@ class YakvMode:
         else:
             # [B, Hkv, K'] ids and validity: K' = k and each row's first budget_tokens valid, unless the policy
             # shares the budget across heads (then heads hold different counts and K' may exceed k).
-            parts = self._row_parts(query)
-            if len(parts) > 1:
-                sel_keys, sel_values, sel_valid = self._select_beside_fetch(query, scaling, query_mask, dtype, parts)
-            else:
-                ids, sel_valid = self.policy.select_valid(
-                    query,
-                    prompt.policy_state,
-                    prompt.selectable,
-                    prompt.max_budget_tokens,
-                    scaling,
-                    query_mask,
-                    prompt.budget_tokens,
-                )
-                sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
+            ids, sel_valid = self.policy.select_valid(
+                query,
+                prompt.policy_state,
+                prompt.selectable,
+                prompt.max_budget_tokens,
+                scaling,
+                query_mask,
+                prompt.budget_tokens,
+            )
+            sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
             self._sparse_steps += 1
         parts = [
             (sel_keys, sel_values, sel_valid[:, :, None, :]),
@@ -219,61 +204,6 @@ class YakvMode:
         if self.held is None or not self.held.fits(ids, dtype):
             self.held = self._empty_held((*ids.shape, quantizer.head_dim), dtype, ids.device)
         self._fetched_records += self.held.refresh(ids, valid, store, quantizer)
-        return self.held.keys, self.held.values, self.held.held
-
-    def _row_parts(self, query: torch.Tensor) -> list[tuple[int, int]]:
-        """The row ranges a one-token step selects and fetches one after another, so that the fetch of one part runs
-        beside the selection of the next (`_select_beside_fetch`): two halves of a batch of `FETCH_SPLIT_MIN_ROWS`
-        rows or more with held tokens on CUDA, else the whole batch."""
-        batch, _, q_len, _ = query.shape
-        if not (self.reuses and q_len == 1 and batch >= FETCH_SPLIT_MIN_ROWS and query.device.type in _SPLIT_DEVICES):
-            return [(0, batch)]
-        return [(0, batch // 2), (batch // 2, batch)]
-
-    def _select_beside_fetch(
-        self,
-        query: torch.Tensor,
-        scaling: float,
-        query_mask: torch.Tensor | None,
-        dtype: torch.dtype,
-        parts: list[tuple[int, int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`select_valid` then `_fetch`, a part of the batch at a time: each part's fetch (PCIe-bound) runs on the
-        side stream while the next part is scored and selected (SM-bound) on the current one. Selection and the held
-        tokens are per row, so the result is the whole batch's at once. Returns `_fetch`'s."""
-        prompt = self.prompt
-        batch, heads = prompt.selectable.shape[:2]
-        shape = (batch, heads, prompt.max_budget_tokens, query.shape[-1])
-        if self.held is None or self.held.ids.shape != shape[:3] or self.held.keys.dtype != dtype:
-            self.held = self._empty_held(shape, dtype, query.device)
-        quantizer = self.quantizer(query.shape[-1])
-        # The parts' prompts and slots are views, made once per prompt and slots: ControlledHitRate keeps its state
-        # per policy-state tensor, and an eager step then slices nothing.
-        if self._parts is None or self._parts[:3] != (prompt, self.held, parts):
-            views = [(a, b, prompt.row_range(a, b), self.held.row_range(a, b)) for a, b in parts]
-            self._parts = (prompt, self.held, parts, views)
-        if query.is_cuda and self._side is None:
-            self._side = SideFetch(query.device)
-        side = self._side if query.is_cuda else None
-        missed_parts = []  # made on this stream and read by the side stream: referenced until the streams join
-        with side.joined() if side is not None else nullcontext():
-            for start, stop, part, slots in self._parts[3]:
-                ids, valid = self.policy.select_valid(
-                    query[start:stop],
-                    part.policy_state,
-                    part.selectable,
-                    prompt.max_budget_tokens,
-                    scaling,
-                    None if query_mask is None else query_mask[start:stop],
-                    part.budget_tokens,
-                )
-                missed, fetched = slots.scan(ids, valid)
-                self._fetched_records += fetched
-                missed_parts.append(missed)
-                if side is not None:
-                    side.run(slots.fetch, missed, part.store, quantizer)
-                else:
-                    slots.fetch(missed, part.store, quantizer)
         return self.held.keys, self.held.values, self.held.held
 
     def _whole_prompt(

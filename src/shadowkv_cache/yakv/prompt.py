@@ -11,7 +11,7 @@ so pads are never scored nor attended. Keys are stored after RoPE: nothing is re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -65,13 +65,6 @@ class QuantizedPrompt:
         if self.is_one_document:
             return self.shared(len(index))
         return self._with_rows(lambda t: t[index], index)
-
-    def row_range(self, start: int, stop: int) -> QuantizedPrompt:
-        """Cache rows `start` to `stop - 1` as views of this prompt's tensors and store: nothing is copied or moved
-        between host and device, so a decode step may take it while a CUDA graph is captured."""
-        changes = {name: getattr(self, name)[start:stop] for name in self.ROW_FIELDS}
-        changes["policy_state"] = {k: v[start:stop] for k, v in self.policy_state.items()}
-        return replace(self, **changes, store=self.store.row_range(start, stop))
 
     def exact_rows(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor) -> QuantizedPrompt:
         """Rows of this prompt's batch that stayed exact (shorter than `min_compress_len`), as `quantize_prompt` holds
