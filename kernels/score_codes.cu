@@ -192,12 +192,14 @@ CODE_LOGITS_ALL_G(8)
 // One pass over the codes (`code_states_mma`): per-tile softmax states, and each logit as an fp16 exponential relative
 // to the max of its head over the 16 tokens an MMA covers, with that max in fp32. A second kernel (`code_scores_finish`)
 // merges the tiles' states into each head's row state and turns the exponentials into scores, max over the group,
-// reading 2G + G/4 bytes per token where reading the codes again would be M + 2 (34 at D = 128, G = 4) and redo every
-// lookup and MMA (which, not bytes, held the earlier second pass to the first pass's time).
+// reading 2Gp + Gp/4 bytes per token (Gp = G rounded up to even; pass 1 writes as many) where reading the codes again
+// would be M + 3 (codes, norm, mask: 35 at D = 128) and redo every lookup and MMA (which, not bytes, held the earlier
+// second pass to the first pass's time).
 //
-// Precision: exp(l - group max) is in (0, 1]; stored times 2^15 it is a normal fp16 down to 2^-29 (~1.9e-9) relative
-// to the group's max, so the score carries 2^-11 relative error there and under 2^-39 absolute below (the twin's
-// fp32 values differ from it by no more). The states are summed from the fp32 exponentials.
+// Precision: exp(l - group max) is in [0, 1]; stored times 2^15 it is a normal fp16 down to 2^-29 (~1.9e-9), so
+// where it is at least that the score carries 2^-11 relative error (plus __expf's ~1e-5), and below it the score is
+// within 2^-39 absolute of the twin's (the factor that scales it is at most 1). The states are summed from the fp32
+// exponentials.
 //
 // Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
 
@@ -447,9 +449,9 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                  sqrt_d, Hkv, G, N);                                                             \
     }
 
-CODE_MMA(4, 1)                  // D = 64: 92 registers, so 5 blocks per SM whatever the bound
+CODE_MMA(4, 1)                  // D = 64: ~90 registers, so 5 blocks per SM whatever the bound
 CODE_MMA(8, MMA_MIN_BLOCKS_K8)  // D = 128
-CODE_MMA(16, 1)                 // D = 256: 150 registers, 3 blocks per SM
+CODE_MMA(16, 1)                 // D = 256: ~150 registers, 3 blocks per SM
 
 #define FINISH_THREADS 256
 #define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16

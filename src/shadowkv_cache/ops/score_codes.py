@@ -114,6 +114,8 @@ MMA_K8_GRID = (4, 5)
 
 def _kernels(device: torch.device):
     blocks, depth = MMA_K8_GRID
+    if not (1 <= blocks <= 8 and 2 <= depth <= 5):  # more stages overflow static shared memory
+        raise ValueError(f"MMA_K8_GRID takes (blocks per SM 1-8, code-ring stages 2-5); got {MMA_K8_GRID!r}.")
     return load_kernels("score_codes", device, (("MMA_MIN_BLOCKS_K8", blocks), ("MMA_DEPTH_K8", depth)))
 
 
@@ -152,7 +154,9 @@ def code_scores(
     """Same as `code_scores_reference`; the kernels for one query token on CUDA, the twin otherwise.
 
     The kernels sum each dot product in another order than the twin's table (fp32 round-off of a D-term sum)
-    and exponentiate with `__expf`: equal to ~1e-5 relative. `tensor_cores=False` keeps to the fp32 kernel
+    and exponentiate with `__expf`: the fp32 kernel is equal to ~1e-5 relative. The tensor-core kernels keep each
+    logit as an fp16 exponential relative to its 16-token group's max: 2^-11 relative (plus `__expf`'s ~1e-5) where
+    that exponential is at least 2^-29, within 2^-39 absolute below. `tensor_cores=False` keeps to the fp32 kernel
     (the tests compare both with the twin).
     """
     batch, heads, num, m = codes.shape
