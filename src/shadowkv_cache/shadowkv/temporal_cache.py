@@ -17,11 +17,20 @@ import torch
 
 from ..ops.gather_values import gather_values
 from ..ops.rebuild_keys import RopeFn, rebuild_missed_keys
-from ..ops.side_stream import SideFetch
 from ..ops.temporal_scan import temporal_scan
 from .prompt import CompressedPrompt
 
 __all__ = ["TemporalCache"]
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One fetch stream per device, shared by all caches."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 class TemporalCache:
@@ -36,7 +45,7 @@ class TemporalCache:
         self._lookups_per_step = self.valid.sum()
         self.hits = torch.zeros((), dtype=torch.int64, device=ids.device)
         self.lookups = torch.zeros((), dtype=torch.int64, device=ids.device)
-        self._side: SideFetch | None = None
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     @classmethod
     def empty(cls, prompt: CompressedPrompt, num_slots: int) -> TemporalCache:
@@ -62,12 +71,25 @@ class TemporalCache:
         misses."""
         self.ids, miss = temporal_scan(self.ids, wanted, self.valid)
         if self.keys.is_cuda:
-            if self._side is None:
-                self._side = SideFetch(self.keys.device)
-            # `miss` and the ids were made on this stream and stay referenced until the streams are joined.
-            with self._side.joined():
-                self._side.run(gather_values, self.values, self.ids, miss, prompt.values)
+            main = torch.cuda.current_stream(self.keys.device)
+            side = _side_stream(self.keys.device)
+            if self._events is None:
+                self._events = (torch.cuda.Event(), torch.cuda.Event())
+            scanned, fetched = self._events
+            scanned.record(main)
+            side.wait_event(scanned)
+            # Tensors used on the side stream were made on the main stream, which waits for `fetched` below
+            # before any later work, so the caching allocator cannot hand them out while the fetch runs.
+            try:
+                with torch.cuda.stream(side):
+                    gather_values(self.values, self.ids, miss, prompt.values)
                 rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
+            finally:
+                # Joined even when the step fails (out of memory while a CUDA graph is captured): a capture left
+                # with unjoined work cannot end, and PyTorch's CUDA generator would stay in capture mode for the
+                # rest of the process ("Offset increment outside graph capture").
+                fetched.record(side)
+                main.wait_event(fetched)
         else:
             gather_values(self.values, self.ids, miss, prompt.values)
             rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
