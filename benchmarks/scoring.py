@@ -152,11 +152,10 @@ def main() -> None:
     if args.mma_grids:
         try:
             grids = [tuple(int(x) for x in g.split(":")) for g in args.mma_grids.split(",")]
-        except ValueError:
-            grids = []
-        if not grids or any(len(g) != 2 or not (1 <= g[0] <= 8 and 2 <= g[1] <= 5) for g in grids):
-            parser.error(f"--mma-grids takes blocks:stages pairs (blocks 1-8, stages 2-5), e.g. 4:5,5:4; got "
-                         f"{args.mma_grids!r}")  # fmt: skip
+            for grid in grids:
+                score_codes.check_mma_k8_grid(grid)
+        except ValueError as err:
+            parser.error(f"--mma-grids takes blocks:stages pairs, e.g. 4:5,5:4; got {args.mma_grids!r} ({err})")
     bandwidth = hbm_bandwidth(device)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = []

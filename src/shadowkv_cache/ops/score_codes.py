@@ -112,10 +112,16 @@ _MMA_K_TILES = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
 MMA_K8_GRID = (4, 5)
 
 
+def check_mma_k8_grid(grid: tuple[int, ...]) -> None:
+    """Refuse a D = 128 tensor-core grid that does not compile: (blocks per SM 1-8, code-ring stages 2-5; more stages
+    overflow static shared memory)."""
+    if len(grid) != 2 or not (1 <= grid[0] <= 8 and 2 <= grid[1] <= 5):
+        raise ValueError(f"MMA_K8_GRID takes (blocks per SM 1-8, code-ring stages 2-5), e.g. (4, 5); got {grid!r}.")
+
+
 def _kernels(device: torch.device):
+    check_mma_k8_grid(MMA_K8_GRID)
     blocks, depth = MMA_K8_GRID
-    if not (1 <= blocks <= 8 and 2 <= depth <= 5):  # more stages overflow static shared memory
-        raise ValueError(f"MMA_K8_GRID takes (blocks per SM 1-8, code-ring stages 2-5); got {MMA_K8_GRID!r}.")
     return load_kernels("score_codes", device, (("MMA_MIN_BLOCKS_K8", blocks), ("MMA_DEPTH_K8", depth)))
 
 
