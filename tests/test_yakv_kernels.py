@@ -383,8 +383,13 @@ def test_tensor_core_scores_keep_a_wide_logit_range(group, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=2.0**-39)
     assert got[~selectable].eq(0).all()
     assert bool((want < 2.0**-39).any())  # the range below fp16's was reached
-    k = 16
-    assert torch.equal(got.topk(k, dim=-1).indices.sort(-1).values, want.topk(k, dim=-1).indices.sort(-1).values)
+    # Every token the kernel's top-k picks is, by the twin's scores, as good as the twin's own k-th best up to the
+    # bounds above. Not the same set: two tokens within 2^-11 of each other may swap places at the k-th (an H200 run
+    # of an exact-set check failed so), and below 2^-39 the order is not kept (such tokens carry no mass).
+    k = 64
+    picked = want.gather(-1, got.topk(k, dim=-1).indices)
+    kth = want.topk(k, dim=-1).values[..., -1:]
+    assert bool((picked >= kth * (1 - 1e-3) - 2.0**-39).all())
 
 
 def test_code_scores_kernel_reads_a_shared_document_in_place():
