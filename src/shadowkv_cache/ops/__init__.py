@@ -1,13 +1,26 @@
-"""Hot-path operations. Each has a PyTorch twin that defines its meaning (the CPU path).
+"""Hot-path operations. Each has a PyTorch twin that defines its meaning (the CPU path), and each kernel path is a
+`torch.ops.shadowkv` operator (`library.py`), registered when its module is imported (importing this package imports
+them all).
 
 `KERNELS` names, for every CUDA source `kernels/<stem>.cu`, the op module that launches it and the twin that
 defines what it computes (design.md §10); a test holds it equal to the sources. Module paths are strings, so
 reading the registry imports nothing.
 """
 
+from . import (  # noqa: F401 - registers each module's operator
+    attend_parts,
+    gather_dequant,
+    gather_values,
+    landmark_logits,
+    landmark_scores,
+    quantize_higgs,
+    score_codes,
+    temporal_scan,
+)
+from .library import registered_ops
 from .rebuild_keys import rebuild_keys
 
-__all__ = ["KERNELS", "rebuild_keys"]
+__all__ = ["KERNELS", "OPERATORS", "rebuild_keys", "registered_ops"]
 
 # kernel stem -> (op module that launches it, name of its PyTorch twin in that module)
 KERNELS: dict[str, tuple[str, str]] = {
@@ -28,4 +41,17 @@ KERNELS: dict[str, tuple[str, str]] = {
     # Second pass of `code_scores`: softmax over the selectable units, max over each GQA group.
     "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),
     "temporal_scan": ("shadowkv_cache.ops.temporal_scan", "temporal_scan_reference"),
+}
+
+# operator (torch.ops.shadowkv.<name>) -> kernel stems its CUDA implementation launches
+OPERATORS: dict[str, tuple[str, ...]] = {
+    "attend_parts": ("attend_parts",),
+    "code_scores": ("score_codes", "softmax_group_max"),
+    "gather_dequant": ("gather_dequant",),
+    "gather_values": ("gather_values",),
+    "landmark_logits_int8": ("landmark_logits",),
+    "landmark_scores": ("landmark_scores",),
+    "quantize_higgs": ("quantize_higgs",),
+    "rope_missed": ("rebuild_keys",),
+    "temporal_scan": ("temporal_scan",),
 }

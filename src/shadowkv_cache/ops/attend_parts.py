@@ -20,9 +20,10 @@ import torch
 
 from ..core.attention import NO_TERMS, LogitTerms, Part
 from ..core.attention import attend_parts as attend_parts_reference
+from .library import define_op
 from .loader import kernels_available, load_kernels, multiprocessors
 
-__all__ = ["attend_parts", "attend_parts_reference"]
+__all__ = ["attend_parts", "attend_parts_op", "attend_parts_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float"}  # C types of common.cuh
 _MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
@@ -50,21 +51,52 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: 
     they hold does not matter), and a head with no valid slot gets zeros; a decode step always holds its own token."""
     if not _kernel_fits(query, parts, terms):
         return attend_parts_reference(query, parts, scaling, terms)
+    sinks = None if terms.sinks is None else terms.sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    keys, values, valid = (list(t) for t in zip(*parts))
+    return attend_parts_op(query, keys, values, valid, scaling, terms.softcap, sinks)
+
+
+def _attend_parts_twin(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
+    return attend_parts_reference(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))
+
+
+def _out_like(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
+    batch, num_q_heads, steps, dim = query.shape
+    return query.new_empty((batch, steps, num_q_heads, dim))
+
+
+@define_op(
+    "attend_parts(Tensor query, Tensor[] keys, Tensor[] values, Tensor[] valid, float scaling, float? softcap, "
+    "Tensor? sinks) -> Tensor",
+    cpu=_attend_parts_twin,
+    fake=_out_like,
+)
+def attend_parts_op(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    valid: list[torch.Tensor],
+    scaling: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`torch.ops.shadowkv.attend_parts`: the kernels on what `attend_parts` checked (the parts as three lists;
+    `sinks` fp32 contiguous on the query's device); `[B, 1, Hq, D]`."""
     batch, num_q_heads, _, dim = query.shape
-    heads = parts[0][0].shape[1]
+    heads = keys[0].shape[1]
     group = num_q_heads // heads
-    total = sum(k.shape[2] for k, _, _ in parts)
+    total = sum(k.shape[2] for k in keys)
     splits, span = _splits(total, batch * heads, _tile(dim * query.element_size()), query.device)
-    described = _Parts(count=len(parts))
-    for i, (keys, values, valid) in enumerate(parts):
+    described = _Parts(count=len(keys))
+    for i, (k, v, m) in enumerate(zip(keys, values, valid)):
         described.p[i] = _Part(
-            keys.data_ptr(),
-            values.data_ptr(),
-            valid.data_ptr(),
-            *_strides(keys, (0, 1, 2)),
-            *_strides(values, (0, 1, 2)),
-            *_strides(valid, (0, 1, 3)),
-            keys.shape[2],
+            k.data_ptr(),
+            v.data_ptr(),
+            m.data_ptr(),
+            *_strides(k, (0, 1, 2)),
+            *_strides(v, (0, 1, 2)),
+            *_strides(m, (0, 1, 3)),
+            k.shape[2],
         )
     part_acc = torch.empty((batch, heads, splits, group, dim), dtype=torch.float32, device=query.device)
     part_ml = torch.empty((batch, heads, splits, group, 2), dtype=torch.float32, device=query.device)
@@ -81,14 +113,13 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: 
             (query.stride(1), ctypes.c_longlong),
             described,
             (scaling, ctypes.c_float),
-            (terms.softcap or 0.0, ctypes.c_float),
+            (softcap or 0.0, ctypes.c_float),
             (total, ctypes.c_longlong),
             (span, ctypes.c_longlong),
             part_acc,
             part_ml,
         ],
     )
-    sinks = None if terms.sinks is None else terms.sinks.to(device=query.device, dtype=torch.float32).contiguous()
     kernels.launch(
         "attend_merge",
         grid=(num_q_heads, batch, 1),

@@ -18,14 +18,16 @@ import ctypes
 
 import torch
 
-from ..quant import HiggsQuantizer
+from ..quant import HiggsQuantizer, higgs_quantizer
 from ..stores.quantized_store import QuantizedKVStore, record_bytes, unpack_records
+from .library import define_op
 from .loader import kernels_available, load_kernels
 
 __all__ = [
     "dequant_records",
     "gather_dequant",
     "gather_dequant_missed",
+    "gather_dequant_op",
     "gather_dequant_missed_reference",
     "gather_dequant_reference",
     "gather_records",
@@ -129,16 +131,52 @@ def _launch(
     values: torch.Tensor,
 ) -> None:
     """The kernel over every slot of `ids`, or only those flagged in `fetch` (bool, same shape)."""
+    if not ids.numel():
+        return
+    grid, signs = quantizer.device_tables(ids.device)
+    gather_dequant_op(
+        keys, values, ids.contiguous(), fetch, store.data, store.device_pointer(ids.device),
+        store.device_row_map(ids.device), grid, signs, quantizer.grid_dim, quantizer.seed,
+    )  # fmt: skip
+
+
+def _gather_dequant_twin(keys, values, ids, fetch, data, data_address, row_map, grid, signs, grid_dim, seed) -> None:
+    store = QuantizedKVStore(data, row_map.cpu())
+    quantizer = higgs_quantizer(keys.shape[-1], grid_dim, seed)
+    if fetch is None:
+        fetch = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    gather_dequant_missed_reference(store, ids, fetch, quantizer, keys, values)
+
+
+@define_op(
+    "gather_dequant(Tensor(a!) keys, Tensor(b!) values, Tensor ids, Tensor? fetch, Tensor data, int data_address, "
+    "Tensor row_map, Tensor grid, Tensor signs, int grid_dim, int seed) -> ()",
+    cpu=_gather_dequant_twin,
+    fake=lambda *args: None,
+)
+def gather_dequant_op(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    fetch: torch.Tensor | None,
+    data: torch.Tensor,
+    data_address: int,
+    row_map: torch.Tensor,
+    grid: torch.Tensor,
+    signs: torch.Tensor,
+    grid_dim: int,
+    seed: int,
+) -> None:
+    """`torch.ops.shadowkv.gather_dequant`: writes into `keys` and `values` (`[B, Hkv, K, D]`, contiguous) the
+    dequantised records `data[row_map[b], h, ids[b, h, k]]` of every slot, or of those flagged in `fetch`; `data`
+    `[R, Hkv, N, E]` pinned host records, read at `data_address` (its device-visible address, cached by the
+    store); `row_map` `[B]` int64 on the device; `grid`, `signs` the quantiser's `device_tables`, which
+    `(grid_dim, seed)` name for the twin."""
     batch, heads, k = ids.shape
     total = batch * heads * k
-    if not total:
-        return
-    dim = quantizer.head_dim
-    data = store.data
+    dim = keys.shape[-1]
     record = data.shape[-1]
-    host = store.device_pointer(ids.device)
     row_stride, head_stride = data.stride(0), data.stride(1)  # bytes: uint8
-    grid, signs = quantizer.device_tables(ids.device)
     per_lane = max(1, dim // 32)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     load_kernels("gather_dequant", ids.device).launch(
@@ -148,19 +186,19 @@ def _launch(
         args=[
             keys,
             values,
-            ids.contiguous(),
+            ids,
             fetch if fetch is not None else (0, ctypes.c_void_p),
-            (host, ctypes.c_void_p),
-            store.device_row_map(ids.device),
+            (data_address, ctypes.c_void_p),
+            row_map,
             (row_stride, i64),
             (head_stride, i64),
             (heads, i32),
             (k, i32),
             (total, i64),
             (dim, i32),
-            (quantizer.grid_dim, i32),
+            (grid_dim, i32),
             (record, i32),
-            (int(all(x % 4 == 0 for x in (host, row_stride, head_stride, record))), i32),
+            (int(all(x % 4 == 0 for x in (data_address, row_stride, head_stride, record))), i32),
             grid,
             signs,
         ],

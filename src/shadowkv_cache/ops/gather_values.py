@@ -21,10 +21,12 @@ import ctypes
 
 import torch
 
+from ..stores.value_codecs import value_codec
 from ..stores.value_store import HostValueStore
+from .library import define_op
 from .loader import kernels_available, load_kernels, strided_grid
 
-__all__ = ["gather_values", "gather_values_reference"]
+__all__ = ["gather_values", "gather_values_op", "gather_values_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in (c=8, D=128 needs 4 KiB)
@@ -61,17 +63,54 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     if not _kernel_fits(values, store):
         gather_values_reference(values, ids, miss, store)
         return
-    data = store.data
+    device = values.device
+    scales = store.scales
+    gather_values_op(
+        values, ids.contiguous(), miss.contiguous(), store.data, store.device_pointer(device), scales,
+        store.scales_pointer(device) if scales is not None else 0, store.device_row_map(device), store.codec.name,
+        list(store.codec.tables(device)) if store.codec.name == "higgs4" else [],
+    )  # fmt: skip
+
+
+def _gather_values_twin(values, ids, miss, data, data_address, scales, scales_address, row_map, codec, tables):
+    store = HostValueStore(data, row_map.cpu(), scales, value_codec(codec, values.shape[-1]))
+    gather_values_reference(values, ids, miss, store)
+
+
+@define_op(
+    "gather_values(Tensor(a!) values, Tensor ids, Tensor miss, Tensor data, int data_address, Tensor? scales, "
+    "int scales_address, Tensor row_map, str codec, Tensor[] tables) -> ()",
+    cpu=_gather_values_twin,
+    fake=lambda *args: None,
+)
+def gather_values_op(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    data: torch.Tensor,
+    data_address: int,
+    scales: torch.Tensor | None,
+    scales_address: int,
+    row_map: torch.Tensor,
+    codec: str,
+    tables: list[torch.Tensor],
+) -> None:
+    """`torch.ops.shadowkv.gather_values`: the kernels on what `gather_values` checked. Writes the decoded chunks
+    `data[row_map[b], h, ids[b, h, k]]` (format `codec`, with `scales` where it has them) into `values`
+    `[B, Hkv, K, c, D]` where `miss`; `data` and `scales` are pinned host memory read at `data_address` and
+    `scales_address` (their device-visible addresses, cached by the store); `row_map` `[B]` int64 on the device;
+    `tables` the higgs4 codec's device tables (empty for other formats)."""
+    batch, heads, num_slots, c, dim = values.shape
     item = data.element_size()
     chunk_bytes = c * data.shape[-1] * item
-    host = store.device_pointer(values.device)
+    host = data_address
     row_stride, head_stride = data.stride(0) * item, data.stride(1) * item
     common = [
         values,
-        ids.contiguous(),
-        miss.contiguous(),
+        ids,
+        miss,
         (host, ctypes.c_void_p),
-        store.device_row_map(values.device),
+        row_map,
         (row_stride, ctypes.c_longlong),
         (head_stride, ctypes.c_longlong),
         (heads, ctypes.c_int),
@@ -79,7 +118,7 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     ]
     total = (batch * heads * num_slots, ctypes.c_longlong)
     kernels = load_kernels("gather_values", values.device)
-    if store.codec.name == "native":
+    if codec == "native":
         vec16 = all(x % 16 == 0 for x in (host, row_stride, head_stride, chunk_bytes, values.data_ptr()))
         kernels.launch(
             "gather_values",
@@ -92,46 +131,31 @@ def gather_values(values: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, s
     # and writes them with 16-byte stores; higgs4 decodes in a lane's registers (usual head sizes) or in shared
     # memory.
     aligned = [host, row_stride, head_stride, chunk_bytes]
-    if store.codec.name == "fp8":
+    if codec == "fp8":
         aligned += [values.data_ptr(), c * dim * values.element_size(), dim]
     vec16 = all(x % 16 == 0 for x in aligned)
-    name = f"gather_values_{store.codec.name}_{_KERNEL_DTYPES[values.dtype]}"
-    if store.codec.name == "higgs4" and vec16 and _warp_fits(values, c, dim):
+    scale_args = [
+        (scales_address, ctypes.c_void_p),
+        (scales.stride(0) * scales.element_size(), ctypes.c_longlong),
+        (scales.stride(1) * scales.element_size(), ctypes.c_longlong),
+    ]
+    name = f"gather_values_{codec}_{_KERNEL_DTYPES[values.dtype]}"
+    if codec == "higgs4" and vec16 and _warp_fits(values, c, dim):
         kernels.launch(
             name.replace("higgs4", "higgs4_warp"),
             grid=_grid(values.device, -(-total[0] // HIGGS_WARPS_PER_BLOCK)),  # a slot per warp at a time
             block=(32 * HIGGS_WARPS_PER_BLOCK, 1, 1),
-            args=[*common, *_scale_args(store, values.device), (c, ctypes.c_int), (dim, ctypes.c_int),
-                  *store.codec.tables(values.device), total],
-        )  # fmt: skip
+            args=[*common, *scale_args, (c, ctypes.c_int), (dim, ctypes.c_int), *tables, total],
+        )
         return
-    args = [
-        *common,
-        *_scale_args(store, values.device),
-        (c, ctypes.c_int),
-        (dim, ctypes.c_int),
-        (int(vec16), ctypes.c_int),
-    ]
-    if store.codec.name == "higgs4":
-        args += list(store.codec.tables(values.device))
+    args = [*common, *scale_args, (c, ctypes.c_int), (dim, ctypes.c_int), (int(vec16), ctypes.c_int), *tables]
     kernels.launch(
         name,
         grid=(total[0], 1, 1),  # one block per slot: see FETCH_BLOCKS_PER_SM
         block=(128, 1, 1),
         args=[*args, total],
-        shared_bytes=_shared_bytes(store.codec.name, c, dim),
+        shared_bytes=_shared_bytes(codec, c, dim),
     )
-
-
-def _scale_args(store: HostValueStore, device: torch.device) -> list[tuple[int, type]]:
-    """The kernels' scale arguments: the pinned scales' device pointer, and their row and head strides in bytes."""
-    scales = store.scales
-    item = scales.element_size()
-    return [
-        (store.scales_pointer(device), ctypes.c_void_p),
-        (scales.stride(0) * item, ctypes.c_longlong),
-        (scales.stride(1) * item, ctypes.c_longlong),
-    ]
 
 
 def _grid(device: torch.device, blocks: int) -> tuple[int, int, int]:

@@ -19,9 +19,10 @@ import math
 
 import torch
 
+from .library import define_op
 from .loader import kernels_available, load_kernels, multiprocessors
 
-__all__ = ["landmark_logits_int8", "landmark_logits_int8_reference"]
+__all__ = ["landmark_logits_int8", "landmark_logits_int8_op", "landmark_logits_int8_reference"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # the query's (fp16 MMA operands hold them exactly)
 _HEAD_DIMS = (64, 128, 256)
@@ -53,6 +54,22 @@ def landmark_logits_int8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     """
     if not _kernel_fits(q, codes, scales):
         return landmark_logits_int8_reference(q, codes, scales)
+    return landmark_logits_int8_op(q, codes, scales).transpose(2, 3).unsqueeze(3)
+
+
+def _logits_twin(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return landmark_logits_int8_reference(q, codes, scales).squeeze(3).transpose(2, 3).contiguous()
+
+
+def _logits_like(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    batch, heads, group, _, _ = q.shape
+    return q.new_empty((batch, heads, codes.shape[2], group))
+
+
+@define_op("landmark_logits_int8(Tensor q, Tensor codes, Tensor scales) -> Tensor", cpu=_logits_twin, fake=_logits_like)
+def landmark_logits_int8_op(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`torch.ops.shadowkv.landmark_logits_int8`: the kernel on what `landmark_logits_int8` checked (one query
+    token); the logits as `[B, Hkv, C, G]`, contiguous."""
     batch, heads, group, _, dim = q.shape
     chunks = codes.shape[2]
     out = torch.empty((batch, heads, chunks, group), dtype=q.dtype, device=q.device)
@@ -74,7 +91,7 @@ def landmark_logits_int8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
               scales, (0 if shared else sb, i64), (sh, i64),
               (group, ctypes.c_int), (chunks, i64)],
     )  # fmt: skip
-    return out.transpose(2, 3).unsqueeze(3)
+    return out
 
 
 def _kernel_fits(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:

@@ -20,9 +20,10 @@ import ctypes
 
 import torch
 
+from .library import define_op
 from .loader import kernels_available, load_kernels, multiprocessors
 
-__all__ = ["landmark_scores", "landmark_scores_reference", "softmax_group_max"]
+__all__ = ["landmark_scores", "landmark_scores_op", "landmark_scores_reference", "softmax_group_max"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _MAX_GROUP = 16  # LS_MAX_G in the kernel
@@ -61,6 +62,19 @@ def landmark_scores(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Ten
     """
     if not _kernel_fits(logits, selectable):
         return landmark_scores_reference(logits, selectable)
+    return landmark_scores_op(logits, selectable)
+
+
+def _scores_like(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
+    batch, heads, _, _, chunks = logits.shape
+    return torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
+
+
+@define_op(
+    "landmark_scores(Tensor logits, Tensor selectable) -> Tensor", cpu=landmark_scores_reference, fake=_scores_like
+)
+def landmark_scores_op(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
+    """`torch.ops.shadowkv.landmark_scores`: the kernel on what `landmark_scores` checked (one query token)."""
     batch, heads, group, _, chunks = logits.shape
     selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)

@@ -15,10 +15,11 @@ import math
 
 import torch
 
-from ..quant import HiggsQuantizer, QuantizedVectors
+from ..quant import HiggsQuantizer, QuantizedVectors, higgs_quantizer
+from .library import define_op
 from .loader import kernels_available, load_kernels, strided_grid
 
-__all__ = ["quantize_vectors", "quantize_vectors_reference", "vector_strides"]
+__all__ = ["quantize_higgs_op", "quantize_vectors", "quantize_vectors_reference", "vector_strides"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DIM = 256  # the kernel's shared row per warp
@@ -67,24 +68,45 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
     dim = quantizer.head_dim
     if not (kernels_available(x.device) and dim <= _MAX_DIM):
         return quantize_vectors_reference(quantizer, x)
-    lead = x.shape[:-1]
-    m = quantizer.num_subvectors
-    codes = torch.empty((*lead, m), dtype=torch.uint8, device=x.device)
-    norms = torch.empty(lead, dtype=torch.float16, device=x.device)
-    n = norms.numel()
-    if n == 0:
-        return QuantizedVectors(codes, norms)
     if x.dtype not in _KERNEL_DTYPES:
         x = x.float()
-    strides = vector_strides(x)
-    if strides is None:
+    if vector_strides(x) is None:
         x = x.contiguous()
-        strides = vector_strides(x)
-    inner, outer_stride, inner_stride = strides
     grid, signs = quantizer.device_tables(x.device)
+    return QuantizedVectors(*quantize_higgs_op(x, grid, signs, quantizer.grid_dim, quantizer.seed))
+
+
+def _quantize_twin(x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, grid_dim: int, seed: int):
+    packed = higgs_quantizer(x.shape[-1], grid_dim, seed).quantize(x)
+    return packed.codes, packed.norms
+
+
+def _codes_like(x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, grid_dim: int, seed: int):
+    lead = x.shape[:-1]
+    codes = torch.empty((*lead, x.shape[-1] // grid_dim), dtype=torch.uint8, device=x.device)
+    return codes, torch.empty(lead, dtype=torch.float16, device=x.device)
+
+
+@define_op(
+    "quantize_higgs(Tensor x, Tensor grid, Tensor signs, int grid_dim, int seed) -> (Tensor, Tensor)",
+    cpu=_quantize_twin,
+    fake=_codes_like,
+)
+def quantize_higgs_op(
+    x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, grid_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.ops.shadowkv.quantize_higgs`: codes `[..., M]` uint8 and norms `[...]` fp16 of `x` `[..., D]` (a dtype
+    the kernel takes, leading dims folding into two strided levels, D <= 256) through the kernel. `grid` and `signs`
+    are the quantiser's `device_tables`; `(grid_dim, seed)` name it for the twin, which rebuilds it."""
+    codes, norms = _codes_like(x, grid, signs, grid_dim, seed)
+    n = norms.numel()
+    if n == 0:
+        return codes, norms
+    dim = x.shape[-1]
+    inner, outer_stride, inner_stride = vector_strides(x)
     i32, i64, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     load_kernels("quantize_higgs", x.device).launch(
-        f"quantize_higgs_{_KERNEL_DTYPES[x.dtype]}_p{quantizer.grid_dim}",
+        f"quantize_higgs_{_KERNEL_DTYPES[x.dtype]}_p{grid_dim}",
         grid=strided_grid(x.device, -(-n // _WARPS), _BLOCKS_PER_SM),
         block=(32 * _WARPS, 1, 1),
         args=[
@@ -102,4 +124,4 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
             (math.sqrt(dim), f32),
         ],
     )
-    return QuantizedVectors(codes, norms)
+    return codes, norms

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .library import define_op
 from .loader import kernels_available, load_kernels, strided_grid
 
-__all__ = ["RopeFn", "RopeLayout", "rebuild_keys", "rebuild_missed_keys", "rope_reference"]
+__all__ = ["RopeFn", "RopeLayout", "rebuild_keys", "rebuild_missed_keys", "rope_missed_op", "rope_reference"]
 
 # (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D], on the keys' device. The kernel path also
 # needs `layout` (a `RopeLayout`, or None when the RoPE is of no layout the kernel knows), `inv_freq_on(device)`
@@ -175,11 +176,59 @@ def _slot_products(ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: int) 
 
 
 def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layout: RopeLayout) -> None:
-    batch, heads, num_slots, c, dim = keys.shape
-    pre = _slot_products(ids, a, b, c)
+    pre = _slot_products(ids, a, b, keys.shape[3])
     if layout.rotary_dim == 0:  # a layer without RoPE: the kernel never reads the frequencies
         # Made on the device: a copy from the host inside a CUDA graph capture would fail the capture.
         inv_freq = torch.zeros(1, device=keys.device)
+    inv_freq = inv_freq.to(device=keys.device, dtype=torch.float32).contiguous()
+    rope_missed_op(
+        keys, pre, ids.contiguous(), miss.contiguous(), positions, inv_freq, attention_scaling,
+        layout.rotary_dim, layout.interleaved,
+    )  # fmt: skip
+
+
+def _rope_missed_reference(
+    keys: torch.Tensor,
+    pre: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """The op's twin: every slot's `pre` keys rotated by `rope_reference` at its chunk's positions, kept where
+    `miss`."""
+    batch, heads, num_slots, c, _ = keys.shape
+    tokens = ids.clamp(min=0)[..., None] * c + torch.arange(c, device=ids.device)  # [B, Hkv, K, c]
+    token_positions = positions.gather(1, tokens.reshape(batch, -1)).view(batch, heads, num_slots, c)
+    layout = RopeLayout(rotary_dim, interleaved)
+    rebuilt = rope_reference(pre, token_positions, inv_freq, attention_scaling, layout)
+    keys.copy_(torch.where(miss[..., None, None], rebuilt.to(keys.dtype), keys))
+
+
+@define_op(
+    "rope_missed(Tensor(a!) keys, Tensor pre, Tensor ids, Tensor miss, Tensor positions, Tensor inv_freq, "
+    "float attention_scaling, int rotary_dim, bool interleaved) -> ()",
+    cpu=_rope_missed_reference,
+    fake=lambda *args: None,
+)
+def rope_missed_op(
+    keys: torch.Tensor,
+    pre: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """`torch.ops.shadowkv.rope_missed`: writes RoPE of the slot products `pre` (`[B, Hkv, K, c, D]`) at each missed
+    slot's chunk positions into `keys` (contiguous, same shape); `positions` `[B, Tc]` int64 contiguous in tokens,
+    `inv_freq` `[rotary_dim/2]` (at least one element) fp32 on the keys' device."""
+    batch, heads, num_slots, c, dim = keys.shape
     kernels = load_kernels("rebuild_keys", keys.device)
     i32 = ctypes.c_int
     total = batch * heads * num_slots
@@ -190,14 +239,14 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
         args=[
             keys,
             pre,
-            ids.contiguous(),
-            miss.contiguous(),
+            ids,
+            miss,
             positions,
             (positions.stride(0), ctypes.c_longlong),
-            inv_freq.to(device=keys.device, dtype=torch.float32).contiguous(),
+            inv_freq,
             (attention_scaling, ctypes.c_float),
-            (layout.rotary_dim, i32),
-            (int(layout.interleaved), i32),
+            (rotary_dim, i32),
+            (int(interleaved), i32),
             (heads, i32),
             (num_slots, i32),
             (c, i32),

@@ -26,9 +26,10 @@ import math
 import torch
 
 from ..quant import HiggsQuantizer
+from .library import define_op
 from .loader import kernels_available, load_kernels
 
-__all__ = ["attention_scores", "code_scores", "code_scores_reference", "score_codes"]
+__all__ = ["attention_scores", "code_scores", "code_scores_op", "code_scores_reference", "score_codes"]
 
 # Elements of the gathered block per step: 2^24 float32 = 64 MiB.
 _BLOCK_ELEMENTS = 1 << 24
@@ -191,22 +192,67 @@ def code_scores(
         return code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
     rotated = quantizer.rotate(query.reshape(batch, heads, group, dim)).contiguous()  # [B, Hkv, G, D] fp32
     grid, _ = quantizer.device_tables(query.device)
+    mma = tensor_cores and _tensor_cores(query.device, p, m, codes)
+    return code_scores_op(rotated, codes, norms, selectable, grid, scaling, mma)
+
+
+def _code_scores_twin(
+    rotated: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    grid: torch.Tensor,
+    scaling: float,
+    tensor_cores: bool,
+) -> torch.Tensor:
+    """`code_scores_reference` from the rotated queries and the grid (one query token)."""
+    group, dim = rotated.shape[2:]
+    table = rotated.float().unflatten(-1, (dim // grid.shape[-1], grid.shape[-1])) @ grid.float().T
+    return attention_scores(score_codes(table, codes, norms, dim) * scaling, selectable, group)
+
+
+def _scores_like(rotated, codes, norms, selectable, grid, scaling, tensor_cores) -> torch.Tensor:
+    return torch.empty(codes.shape[:3], dtype=torch.float32, device=codes.device)
+
+
+@define_op(
+    "code_scores(Tensor rotated, Tensor codes, Tensor norms, Tensor selectable, Tensor grid, float scaling, "
+    "bool tensor_cores) -> Tensor",
+    cpu=_code_scores_twin,
+    fake=_scores_like,
+)
+def code_scores_op(
+    rotated: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    selectable: torch.Tensor,
+    grid: torch.Tensor,
+    scaling: float,
+    tensor_cores: bool,
+) -> torch.Tensor:
+    """`torch.ops.shadowkv.code_scores`: scores `[B, Hkv, N]` fp32 through the kernels, on what `code_scores`
+    checked: `rotated` `[B, Hkv, G, D]` fp32 contiguous (the rotated queries of one token), `grid` `[256, p]` on the
+    device; the tensor-core kernels where `tensor_cores`, else the fp32 kernel and `softmax_group_max`."""
+    batch, heads, group, dim = rotated.shape
+    num, m = codes.shape[2:]
     inputs = _input_args(rotated, codes, norms, selectable, grid, scaling, dim)
-    if tensor_cores and _tensor_cores(query.device, p, m, codes):
-        return _code_scores_mma(inputs, (batch, heads, group, num, m), query.device)
+    if tensor_cores:
+        return _code_scores_mma(inputs, (batch, heads, group, num, m), rotated.device)
+    p = grid.shape[-1]
+    device = rotated.device
     tiles = -(-num // _TILE)
-    logits = torch.empty((batch, heads, group, num), dtype=torch.float32, device=query.device)
-    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=query.device)
+    logits = torch.empty((batch, heads, group, num), dtype=torch.float32, device=device)
+    part_max = torch.empty((batch, heads, group, tiles), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
-    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=query.device)
+    scores = torch.empty((batch, heads, num), dtype=torch.float32, device=device)
     i32 = ctypes.c_int
-    _kernels(query.device).launch(
+    _kernels(device).launch(
         f"code_logits_p{p}_g{group}",
         grid=(tiles, heads, batch),
         block=(_THREADS, 1, 1),
         args=[logits, part_max, part_sum, *inputs, (heads, i32), (num, i32), (m, i32), (_TILE, i32)],
     )
-    load_kernels("softmax_group_max", query.device).launch(
+    load_kernels("softmax_group_max", device).launch(
         "softmax_group_max",
         grid=(-(-num // _SOFTMAX_TILE), heads, batch),
         block=(_THREADS, 1, 1),

@@ -18,9 +18,10 @@ import ctypes
 
 import torch
 
+from .library import define_op
 from .loader import kernels_available, load_kernels
 
-__all__ = ["QUADRATIC_SLOTS", "temporal_scan", "temporal_scan_reference", "temporal_scan_sorted"]
+__all__ = ["QUADRATIC_SLOTS", "temporal_scan", "temporal_scan_op", "temporal_scan_reference", "temporal_scan_sorted"]
 
 # Above this many slots the kernel's K^2 comparisons per head (and the reference's K^2 memory) cost more than sorting.
 # The kernel itself takes up to 2048 (22 bytes of shared memory per slot).
@@ -88,15 +89,31 @@ def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) 
         return temporal_scan_reference(ids, wanted, valid)
     if num_slots > QUADRATIC_SLOTS or not (kernels_available(ids.device) and ids.is_contiguous()):
         return temporal_scan_sorted(ids, wanted, valid)  # the twin's result without its K^2 comparisons
+    return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous())
+
+
+def _miss_like(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+
+
+@define_op(
+    "temporal_scan(Tensor(a!) ids, Tensor wanted, Tensor valid) -> Tensor",
+    cpu=lambda ids, wanted, valid: temporal_scan_sorted(ids, wanted, valid)[1],
+    fake=_miss_like,
+)
+def temporal_scan_op(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`torch.ops.shadowkv.temporal_scan`: the kernel (contiguous inputs, at most 2048 slots); updates `ids` in place
+    and returns `miss`."""
+    num_slots = ids.shape[-1]
     kernels = load_kernels("temporal_scan", ids.device)
-    miss = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+    miss = _miss_like(ids, wanted, valid)
     rows = ids.numel() // num_slots
     if rows:
         kernels.launch(
             "temporal_scan",
             grid=(rows, 1, 1),
             block=(256, 1, 1),
-            args=[ids, wanted.contiguous(), valid.contiguous(), miss, (num_slots, ctypes.c_int)],
+            args=[ids, wanted, valid, miss, (num_slots, ctypes.c_int)],
             shared_bytes=22 * num_slots,
         )
-    return ids, miss
+    return miss

@@ -1,5 +1,5 @@
 """Vector quantisers for KV storage (YAKV mode, design.md §4)."""
 
-from .higgs import GRID_DIMS, GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid
+from .higgs import GRID_DIMS, GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid, higgs_quantizer
 
-__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid"]
+__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid", "higgs_quantizer"]

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..paths import cache_dir
 
-__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid"]
+__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid", "higgs_quantizer"]
 
 GRID_POINTS = 256  # one uint8 code per sub-vector
 GRID_DIMS = (2, 4, 8)
@@ -312,3 +312,10 @@ class HiggsQuantizer:
         idx = packed.codes.long().expand(*lead, self.num_subvectors)[..., None]
         dots = table.float().expand(*lead, *table.shape[-2:]).gather(-1, idx).squeeze(-1).sum(-1)
         return dots * (packed.norms.float() / math.sqrt(self.head_dim))
+
+
+@functools.cache
+def higgs_quantizer(head_dim: int, grid_dim: int, seed: int = 0) -> HiggsQuantizer:
+    """One shared `HiggsQuantizer(head_dim, grid_dim, seed)` per process: its codes depend on those three alone, so
+    any instance with them quantises alike (the operators' twins rebuild the caller's from them)."""
+    return HiggsQuantizer(head_dim, grid_dim, seed)

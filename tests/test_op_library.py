@@ -1,0 +1,326 @@
+"""The `torch.ops.shadowkv` operators (ops/library.py): every kernel entry point registered with a schema, a CUDA
+implementation (the kernel), a CPU implementation (the twin) and a fake implementation.
+
+On the CPU (CI): `torch.library.opcheck` on each (schema and mutation declarations, the fake's shapes, dtypes and
+strides against the real outputs, AOT dispatch with dynamic shapes); each CPU implementation gives the module twin's
+result; `torch.compile(fullgraph=True)` traces each as one opaque node and gives eager's result; the fakes answer for
+CUDA tensors without a GPU. On a GPU (marked `gpu`): opcheck on the CUDA implementations (the kernels), with inputs of
+the kernels' shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import pytest
+import torch
+
+import shadowkv_cache.ops as ops
+from shadowkv_cache.core.attention import LogitTerms
+from shadowkv_cache.core.attention import attend_parts as attend_parts_twin
+from shadowkv_cache.ops.gather_dequant import gather_dequant_reference
+from shadowkv_cache.ops.gather_values import gather_values_reference
+from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference
+from shadowkv_cache.ops.landmark_scores import landmark_scores_reference
+from shadowkv_cache.ops.library import NAMESPACE
+from shadowkv_cache.ops.rebuild_keys import RopeLayout, rope_reference
+from shadowkv_cache.ops.score_codes import code_scores_reference
+from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
+from shadowkv_cache.quant import HiggsQuantizer
+from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
+from shadowkv_cache.stores.value_store import HostValueStore
+
+CUDA = torch.device("cuda")
+
+
+def op(name: str):
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _scan(device, g):
+    ids = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(6)]).view(2, 3, 6)
+    ids[0, 0, 2] = -1
+    wanted = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(6)]).view(2, 3, 6)
+    valid = torch.rand(2, 3, 6, generator=g) < 0.8
+    return ids.to(device), wanted.to(device), valid.to(device)
+
+
+def _rope(device, g):
+    batch, heads, slots, c, dim, chunks = 2, 2, 3, 4, 64, 5
+    keys = torch.randn(batch, heads, slots, c, dim, generator=g).to(device, torch.bfloat16)
+    pre = torch.randn(batch, heads, slots, c, dim, generator=g).to(device, torch.bfloat16)
+    ids = torch.randint(0, chunks, (batch, heads, slots), generator=g).to(device)
+    miss = (torch.rand(batch, heads, slots, generator=g) < 0.6).to(device)
+    positions = torch.randint(0, 4000, (batch, chunks * c), generator=g).to(device)
+    inv_freq = (10000.0 ** -(torch.arange(0, 48, 2) / 48)).float().to(device)  # partial rotary: 48 of 64 dims
+    return keys, pre, ids, miss, positions, inv_freq, 1.25, 48, False
+
+
+def _attend(device, g):
+    batch, q_heads, heads, dim = 2, 8, 2, 64
+    query = torch.randn(batch, q_heads, 1, dim, generator=g).to(device, torch.bfloat16)
+    sizes = (40, 7)
+    keys = [torch.randn(batch, heads, n, dim, generator=g).to(device, torch.bfloat16) for n in sizes]
+    values = [torch.randn(batch, heads, n, dim, generator=g).to(device, torch.bfloat16) for n in sizes]
+    valid = [(torch.rand(batch, 1, 1, n, generator=g) < 0.8).to(device) for n in sizes]
+    valid[1][..., -1] = True  # every row holds its own token
+    sinks = torch.randn(q_heads, generator=g).to(device)
+    return query, keys, values, valid, 1 / math.sqrt(dim), 30.0, sinks
+
+
+def _landmark_logits(device, g):
+    batch, heads, group, chunks, dim = 2, 2, 4, 40, 128
+    q = torch.randn(batch, heads, group, 1, dim, generator=g).to(device, torch.bfloat16)
+    codes = torch.randint(-127, 128, (batch, heads, chunks, dim), generator=g, dtype=torch.int8).to(device)
+    scales = (torch.rand(batch, heads, chunks, generator=g) / 100).to(device)
+    return q, codes, scales
+
+
+def _landmark_scores(device, g):
+    logits = torch.randn(2, 2, 3, 1, 30, generator=g).to(device, torch.bfloat16) * 4
+    selectable = (torch.rand(2, 2, 30, generator=g) < 0.7).to(device)
+    return logits, selectable
+
+
+QUANTIZER = HiggsQuantizer(64, 4, seed=3)
+
+
+def _quantize(device, g):
+    grid, signs = QUANTIZER.device_tables(device)
+    x = torch.randn(3, 5, 64, generator=g).to(device)
+    return x, grid, signs, QUANTIZER.grid_dim, QUANTIZER.seed
+
+
+def _code_scores(device, g):
+    batch, heads, group, num = 2, 2, 3, 70
+    query = torch.randn(batch, heads, group, 64, generator=g).to(device)
+    packed = QUANTIZER.quantize(torch.randn(batch, heads, num, 64, generator=g).to(device))
+    selectable = (torch.rand(batch, heads, num, generator=g) < 0.8).to(device)
+    grid, _ = QUANTIZER.device_tables(device)
+    return QUANTIZER.rotate(query).contiguous(), packed.codes, packed.norms, selectable, grid, 0.125, False
+
+
+def _records(device, g, rows=2, heads=2, num=30):
+    keys, values = (torch.randn(rows, heads, num, 64, generator=g).to(device) for _ in range(2))
+    records = pack_records(QUANTIZER.quantize(keys), QUANTIZER.quantize(values))
+    return QuantizedKVStore.offload(records, pin=device.type == "cuda")
+
+
+def _gather_dequant(device, g):
+    store = _records(device, g)
+    ids = torch.randint(0, 30, (2, 2, 9), generator=g).to(device)
+    fetch = (torch.rand(2, 2, 9, generator=g) < 0.5).to(device)
+    keys, values = (torch.zeros(2, 2, 9, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    grid, signs = QUANTIZER.device_tables(device)
+    address = store.device_pointer(device) if device.type == "cuda" else 0
+    row_map = store.device_row_map(device)
+    return keys, values, ids, fetch, store.data, address, row_map, grid, signs, QUANTIZER.grid_dim, QUANTIZER.seed
+
+
+def _value_store(device, g, value_format):
+    source = torch.randn(2, 2, 6, 8, 64, generator=g).to(device, torch.bfloat16)
+    return HostValueStore.offload(source, pin=device.type == "cuda", value_format=value_format)
+
+
+def _gather_values(device, g, value_format="higgs4"):
+    store = _value_store(device, g, value_format)
+    values = torch.zeros(2, 2, 4, 8, 64, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 6, (2, 2, 4), generator=g).to(device)
+    miss = (torch.rand(2, 2, 4, generator=g) < 0.6).to(device)
+    cuda = device.type == "cuda"
+    scales = store.scales
+    tables = list(store.codec.tables(device)) if value_format == "higgs4" else []
+    return (
+        values, ids, miss, store.data, store.device_pointer(device) if cuda else 0, scales,
+        store.scales_pointer(device) if cuda and scales is not None else 0, store.device_row_map(device),
+        value_format, tables,
+    )  # fmt: skip
+
+
+SAMPLES = {
+    "temporal_scan": _scan,
+    "rope_missed": _rope,
+    "attend_parts": _attend,
+    "landmark_logits_int8": _landmark_logits,
+    "landmark_scores": _landmark_scores,
+    "quantize_higgs": _quantize,
+    "code_scores": _code_scores,
+    "gather_dequant": _gather_dequant,
+    "gather_values": _gather_values,
+}
+
+
+def sample(name: str, device: torch.device, seed: int = 0):
+    return SAMPLES[name](torch.device(device), torch.Generator().manual_seed(seed))
+
+
+def map_tensors(args, fn):
+    """`args` with `fn` applied to every tensor, in lists too."""
+    return tuple(
+        [fn(t) for t in a] if isinstance(a, list) else fn(a) if isinstance(a, torch.Tensor) else a for a in args
+    )
+
+
+def clone_args(args):
+    """Copies of the tensors an operator may write; pinned host stores stay (the kernels read them at their
+    address)."""
+    return map_tensors(args, lambda t: t if t.is_pinned() else t.clone())
+
+
+def as_list(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, tuple) else [] if out is None else [out]
+
+
+def test_every_kernel_is_launched_by_a_registered_operator():
+    assert set(ops.OPERATORS) == set(ops.registered_ops()) == set(SAMPLES)
+    launched = {stem for stems in ops.OPERATORS.values() for stem in stems}
+    assert launched == set(ops.KERNELS)
+    for name, schema in ops.registered_ops().items():
+        registered = op(name)
+        assert str(registered._schema).split("(", 1)[1] == schema.split("(", 1)[1].replace("\n", "")
+        for key in ("CUDA", "CPU", "Meta"):  # the fake serves Meta too
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(registered.name(), key), (name, key)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_opcheck_on_the_cpu(name):
+    """Schema, mutations, the fake implementation against the CPU implementation's outputs, AOT dispatch."""
+    torch.library.opcheck(op(name), sample(name, "cpu"))
+
+
+@pytest.mark.parametrize("value_format", ["native", "fp8"])
+def test_opcheck_gather_values_other_formats(value_format):
+    # opcheck's schema test compares float8 inputs with arithmetic the CPU lacks for that dtype: the fp8 store checks
+    # the rest (the schema is the same for every format).
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic") if value_format == "fp8" else None
+    args = _gather_values(torch.device("cpu"), torch.Generator(), value_format)
+    torch.library.opcheck(op("gather_values"), args, test_utils=utils or torch.library._OPCHECK_DEFAULT_UTILS)
+
+
+def test_cpu_implementations_are_the_twins():
+    """Each operator's CPU implementation gives what the module's twin gives on the same inputs."""
+    ids, wanted, valid = sample("temporal_scan", "cpu")
+    want_ids, want_miss = temporal_scan_reference(ids, wanted, valid)
+    got_ids = ids.clone()
+    assert torch.equal(op("temporal_scan")(got_ids, wanted, valid), want_miss)
+    assert torch.equal(got_ids, want_ids)
+
+    keys, pre, ids, miss, positions, inv_freq, scaling, rotary, interleaved = sample("rope_missed", "cpu")
+    got = keys.clone()
+    op("rope_missed")(got, pre, ids, miss, positions, inv_freq, scaling, rotary, interleaved)
+    c = keys.shape[3]
+    for b, h, k in miss.nonzero().tolist():
+        at = positions[b, ids[b, h, k] * c : (ids[b, h, k] + 1) * c]
+        want = rope_reference(pre[b, h, k], at, inv_freq, scaling, RopeLayout(rotary, interleaved))
+        assert torch.equal(got[b, h, k], want)
+    assert torch.equal(got[~miss], keys[~miss])
+
+    query, keys, values, valid, scaling, softcap, sinks = sample("attend_parts", "cpu")
+    want = attend_parts_twin(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))
+    assert torch.equal(op("attend_parts")(query, keys, values, valid, scaling, softcap, sinks), want)
+
+    q, codes, scales = sample("landmark_logits_int8", "cpu")
+    got = op("landmark_logits_int8")(q, codes, scales)  # [B, Hkv, C, G]
+    assert torch.equal(got.transpose(2, 3).unsqueeze(3), landmark_logits_int8_reference(q, codes, scales))
+
+    logits, selectable = sample("landmark_scores", "cpu")
+    assert torch.equal(op("landmark_scores")(logits, selectable), landmark_scores_reference(logits, selectable))
+
+    x, grid, signs, grid_dim, seed = sample("quantize_higgs", "cpu")
+    codes, norms = op("quantize_higgs")(x, grid, signs, grid_dim, seed)
+    packed = QUANTIZER.quantize(x)
+    assert torch.equal(codes, packed.codes) and torch.equal(norms, packed.norms)
+
+    rotated, codes, norms, selectable, grid, scaling, _ = sample("code_scores", "cpu")
+    query = QUANTIZER.unrotate(rotated).reshape(2, 6, 1, 64)  # the queries the rotated ones came from
+    want = code_scores_reference(query, codes, norms, selectable, QUANTIZER, scaling)
+    torch.testing.assert_close(op("code_scores")(rotated, codes, norms, selectable, grid, scaling, False), want)
+
+    args = sample("gather_dequant", "cpu")
+    keys, values, ids, fetch, data, _, row_map = args[:7]
+    op("gather_dequant")(*args)
+    want_keys, want_values = gather_dequant_reference(QuantizedKVStore(data, row_map), ids, QUANTIZER, keys.dtype)
+    assert torch.equal(keys[fetch], want_keys[fetch]) and torch.equal(values[fetch], want_values[fetch])
+    assert not keys[~fetch].any() and not values[~fetch].any()
+
+    for value_format in ("native", "fp8", "higgs4"):
+        args = _gather_values(torch.device("cpu"), torch.Generator().manual_seed(5), value_format)
+        values, ids, miss, data, _, scales, _, row_map = args[:8]
+        store = HostValueStore(data, row_map, scales, ops.gather_values.value_codec(value_format, 64))
+        want = values.clone()
+        gather_values_reference(want, ids, miss, store)
+        op("gather_values")(*args)
+        assert torch.equal(values, want) and bool(values[miss].ne(0).any())
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_compile_traces_each_operator_as_one_opaque_node(name):
+    """`torch.compile(fullgraph=True)` keeps the operator as one call (no graph break, nothing traced inside it) and
+    gives eager's outputs, the arguments it writes included."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def call(*args):
+        return op(name)(*args)
+
+    eager_args, compiled_args = sample(name, "cpu"), clone_args(sample(name, "cpu"))
+    want = call(*eager_args)
+    got = torch.compile(call, backend=backend, fullgraph=True, dynamic=False)(*compiled_args)
+    torch._dynamo.reset()
+    (graph,) = graphs
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert targets == [op(name)]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(compiled_args, eager_args):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+
+def test_fakes_answer_for_cuda_tensors_without_a_gpu():
+    """Tracing a CUDA program needs no GPU: the fakes give the kernels' output shapes, dtypes and device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        ids = torch.empty(2, 3, 6, dtype=torch.int64, device=CUDA)
+        miss = op("temporal_scan")(ids, ids, torch.empty(2, 3, 6, dtype=torch.bool, device=CUDA))
+        assert (miss.shape, miss.dtype, miss.device.type) == ((2, 3, 6), torch.bool, "cuda")
+        q = torch.empty(4, 8, 6, 1, 128, dtype=torch.bfloat16, device=CUDA)
+        codes = torch.empty(4, 8, 500, 128, dtype=torch.int8, device=CUDA)
+        logits = op("landmark_logits_int8")(q, codes, torch.empty(4, 8, 500, device=CUDA))
+        assert (logits.shape, logits.dtype, logits.device.type) == ((4, 8, 500, 6), torch.bfloat16, "cuda")
+        rotated = torch.empty(4, 8, 4, 128, device=CUDA)
+        codes = torch.empty(4, 8, 900, 32, dtype=torch.uint8, device=CUDA)
+        norms = torch.empty(4, 8, 900, dtype=torch.float16, device=CUDA)
+        selectable = torch.empty(4, 8, 900, dtype=torch.bool, device=CUDA)
+        scores = op("code_scores")(rotated, codes, norms, selectable, torch.empty(256, 4, device=CUDA), 0.1, True)
+        assert (scores.shape, scores.dtype, scores.device.type) == ((4, 8, 900), torch.float32, "cuda")
+        x = torch.empty(7, 3, 128, dtype=torch.bfloat16, device=CUDA)
+        codes, norms = op("quantize_higgs")(x, torch.empty(256, 4, device=CUDA), torch.empty(128, device=CUDA), 4, 0)
+        assert (codes.shape, codes.dtype, norms.shape, norms.dtype) == ((7, 3, 32), torch.uint8, (7, 3), torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_opcheck_on_the_gpu(name):
+    """The CUDA implementations (the kernels, on inputs of their shapes) against their schemas and fakes; and each
+    gives its CPU implementation's result (within the kernels' round-off)."""
+    args = sample(name, CUDA)
+    torch.library.opcheck(op(name), args)
+    if name == "code_scores":
+        args = (*args[:-1], True)  # the tensor-core kernels as well
+        torch.library.opcheck(op(name), args)
+    cpu_args = map_tensors(args, lambda t: t.cpu())
+    got_args = clone_args(args)
+    got, want = as_list(op(name)(*got_args)), as_list(op(name)(*cpu_args))
+    written = [i for i, a in enumerate(op(name)._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    for a, b in zip([got_args[i] for i in written] + got, [cpu_args[i] for i in written] + want, strict=True):
+        if a.dtype == torch.uint8:  # quantisation codes: a tie between grid points may round either way
+            assert a.cpu().ne(b).float().mean() < 1e-3
+        else:
+            torch.testing.assert_close(a.cpu().float(), b.float(), rtol=2e-2, atol=2e-2)
