@@ -324,3 +324,29 @@ def test_opcheck_on_the_gpu(name):
             assert a.cpu().ne(b).float().mean() < 1e-3
         else:
             torch.testing.assert_close(a.cpu().float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inductor_compiles_a_selection_around_the_operators():
+    """`torch.compile` (Inductor, fullgraph) of a selection step: landmark scores (operator), top-k (Inductor's), the
+    temporal scan (operator, writes the held ids): eager's results, with the operators left as calls among
+    Inductor's kernels."""
+    g = torch.Generator().manual_seed(2)
+    batch, heads, group, chunks, k = 9, 8, 4, 2000, 64
+    logits = torch.randn(batch, heads, chunks, group, generator=g).to(CUDA, torch.bfloat16).transpose(2, 3)
+    logits = logits.unsqueeze(3)  # [B, Hkv, G, 1, C], strided as the landmark GEMM writes it
+    selectable = (torch.rand(batch, heads, chunks, generator=g) < 0.9).to(CUDA)
+    held = torch.randint(0, chunks, (batch, heads, k), generator=g).to(CUDA)
+
+    def select(logits, selectable, ids):
+        scores = op("landmark_scores")(logits, selectable)
+        top = scores.topk(k, dim=-1)
+        miss = op("temporal_scan")(ids, top.indices, top.values > float("-inf"))
+        return top.indices, miss
+
+    want_ids, got_ids = held.clone(), held.clone()
+    want = select(logits, selectable, want_ids)
+    got = torch.compile(select, fullgraph=True)(logits, selectable, got_ids)
+    torch._dynamo.reset()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_ids, want_ids)
