@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from ..quant import HiggsQuantizer, higgs_quantizer
+from ..quant import HiggsQuantizer, check_tables, higgs_quantizer
 from ..stores.quantized_store import QuantizedKVStore, record_bytes, unpack_records
 from .library import define_op
 from .loader import kernels_available, load_kernels
@@ -143,6 +143,7 @@ def _launch(
 def _gather_dequant_twin(keys, values, ids, fetch, data, data_address, row_map, grid, signs, grid_dim, seed) -> None:
     store = QuantizedKVStore(data, row_map.cpu())
     quantizer = higgs_quantizer(keys.shape[-1], grid_dim, seed)
+    check_tables(quantizer, grid, signs)
     if fetch is None:
         fetch = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
     gather_dequant_missed_reference(store, ids, fetch, quantizer, keys, values)

@@ -75,6 +75,7 @@ def _scores_like(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor
 )
 def landmark_scores_op(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
     """`torch.ops.shadowkv.landmark_scores`: the kernel on what `landmark_scores` checked (one query token)."""
+    torch._check(logits.shape[3] == 1, lambda: "the landmark_scores kernel takes one query token: call landmark_scores")
     batch, heads, group, _, chunks = logits.shape
     selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)

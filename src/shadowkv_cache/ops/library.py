@@ -9,7 +9,8 @@ records any PyTorch kernel.
 
 The CUDA implementations are the kernels alone: the module's public function checks that a call fits the kernel
 (dtypes, head sizes, alignment) and runs the twin otherwise, as before. Call those functions; the operators are for
-tracing and capture.
+tracing and capture. Where a kernel would read an argument otherwise than the twin (a softcap of 0, a grid that is not
+the named quantiser's, several query tokens), the operator refuses it on every device rather than answer differently.
 
 Registered with `torch.library.define`/`impl`/`register_fake` rather than the `torch.library.custom_op` decorator:
 the decorator's Python wrapper (autograd, aliasing checks) cost ~40 µs per call against ~4 µs (a 2-core CPU, torch

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..quant import HiggsQuantizer, QuantizedVectors, higgs_quantizer
+from ..quant import HiggsQuantizer, QuantizedVectors, check_tables, higgs_quantizer
 from .library import define_op
 from .loader import kernels_available, load_kernels, strided_grid
 
@@ -68,6 +68,8 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
     dim = quantizer.head_dim
     if not (kernels_available(x.device) and dim <= _MAX_DIM):
         return quantize_vectors_reference(quantizer, x)
+    if not x[..., 0].numel():  # nothing to quantise: no kernel, no device tables
+        return quantize_vectors_reference(quantizer, x)
     if x.dtype not in _KERNEL_DTYPES:
         x = x.float()
     if vector_strides(x) is None:
@@ -77,7 +79,9 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
 
 
 def _quantize_twin(x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, grid_dim: int, seed: int):
-    packed = higgs_quantizer(x.shape[-1], grid_dim, seed).quantize(x)
+    quantizer = higgs_quantizer(x.shape[-1], grid_dim, seed)
+    check_tables(quantizer, grid, signs)
+    packed = quantizer.quantize(x)
     return packed.codes, packed.norms
 
 

@@ -105,6 +105,7 @@ def temporal_scan_op(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tenso
     """`torch.ops.shadowkv.temporal_scan`: the kernel (contiguous inputs, at most 2048 slots); updates `ids` in place
     and returns `miss`."""
     num_slots = ids.shape[-1]
+    torch._check(0 < num_slots <= 2048, lambda: f"the temporal_scan kernel takes 1 to 2048 slots, got {num_slots}")
     kernels = load_kernels("temporal_scan", ids.device)
     miss = _miss_like(ids, wanted, valid)
     rows = ids.numel() // num_slots

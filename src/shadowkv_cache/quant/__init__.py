@@ -1,5 +1,21 @@
 """Vector quantisers for KV storage (YAKV mode, design.md §4)."""
 
-from .higgs import GRID_DIMS, GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid, higgs_quantizer
+from .higgs import (
+    GRID_DIMS,
+    GRID_POINTS,
+    HiggsQuantizer,
+    QuantizedVectors,
+    check_tables,
+    gaussian_grid,
+    higgs_quantizer,
+)
 
-__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid", "higgs_quantizer"]
+__all__ = [
+    "GRID_DIMS",
+    "GRID_POINTS",
+    "HiggsQuantizer",
+    "QuantizedVectors",
+    "check_tables",
+    "gaussian_grid",
+    "higgs_quantizer",
+]

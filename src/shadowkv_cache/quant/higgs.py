@@ -27,7 +27,15 @@ from safetensors.torch import load_file, save_file
 
 from ..paths import cache_dir
 
-__all__ = ["GRID_DIMS", "GRID_POINTS", "HiggsQuantizer", "QuantizedVectors", "gaussian_grid", "higgs_quantizer"]
+__all__ = [
+    "GRID_DIMS",
+    "GRID_POINTS",
+    "HiggsQuantizer",
+    "QuantizedVectors",
+    "check_tables",
+    "gaussian_grid",
+    "higgs_quantizer",
+]
 
 GRID_POINTS = 256  # one uint8 code per sub-vector
 GRID_DIMS = (2, 4, 8)
@@ -319,3 +327,14 @@ def higgs_quantizer(head_dim: int, grid_dim: int, seed: int = 0) -> HiggsQuantiz
     """One shared `HiggsQuantizer(head_dim, grid_dim, seed)` per process: its codes depend on those three alone, so
     any instance with them quantises alike (the operators' twins rebuild the caller's from them)."""
     return HiggsQuantizer(head_dim, grid_dim, seed)
+
+
+def check_tables(quantizer: HiggsQuantizer, grid: torch.Tensor, signs: torch.Tensor) -> None:
+    """Refuse `grid` and `signs` that are not `quantizer.device_tables` (an operator's twin rebuilds its quantiser from
+    `(grid_dim, seed)`, where its kernel reads the tables it is given)."""
+    want_grid, want_signs = quantizer.device_tables(grid.device)
+    if not (torch.equal(grid, want_grid) and torch.equal(signs.to(grid.device), want_signs)):
+        raise ValueError(
+            f"The grid and signs passed are not those of HiggsQuantizer(head_dim={quantizer.head_dim}, "
+            f"grid_dim={quantizer.grid_dim}, seed={quantizer.seed}); pass that quantiser's device_tables()."
+        )
