@@ -215,6 +215,11 @@ def test_operators_refuse_what_their_kernels_cannot_mean():
     x, grid, signs, grid_dim, _ = sample("quantize_higgs", "cpu")
     with pytest.raises(ValueError, match="pass that quantiser's device_tables"):
         op("quantize_higgs")(x, grid, signs, grid_dim, QUANTIZER.seed + 1)
+    logits, selectable = sample("landmark_scores", "cpu")
+    with pytest.raises(RuntimeError, match="one query token"):
+        op("landmark_scores")(logits.expand(-1, -1, -1, 2, -1), selectable)
+    with pytest.raises(RuntimeError, match="one query token"):
+        op("attend_parts")(query.expand(-1, -1, 3, -1), keys, values, valid, scaling, None, sinks)
     args = list(sample("gather_dequant", "cpu"))
     args[-1] += 1  # another seed than the one whose tables are passed
     with pytest.raises(ValueError, match="device_tables"):

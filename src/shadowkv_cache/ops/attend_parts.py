@@ -56,16 +56,18 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: 
     return attend_parts_op(query, keys, values, valid, scaling, terms.softcap, sinks)
 
 
-def _check_softcap(softcap: float | None) -> None:
+def _check_args(query: torch.Tensor, softcap: float | None) -> None:
     torch._check(softcap is None or softcap > 0, lambda: f"softcap must be None (no capping) or > 0, got {softcap}")
+    torch._check(query.shape[2] == 1, lambda: "the attend_parts operator takes one query token: call attend_parts")
 
 
 def _attend_parts_twin(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
-    _check_softcap(softcap)
+    _check_args(query, softcap)
     return attend_parts_reference(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))
 
 
 def _out_like(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
+    _check_args(query, softcap)
     batch, num_q_heads, steps, dim = query.shape
     return query.new_empty((batch, steps, num_q_heads, dim))
 
@@ -87,8 +89,7 @@ def attend_parts_op(
 ) -> torch.Tensor:
     """`torch.ops.shadowkv.attend_parts`: the kernels on what `attend_parts` checked (the parts as three lists;
     `sinks` fp32 contiguous on the query's device); `[B, 1, Hq, D]`."""
-    _check_softcap(softcap)
-    torch._check(query.shape[2] == 1, lambda: "the attend_parts kernels take one query token; call attend_parts()")
+    _check_args(query, softcap)
     batch, num_q_heads, _, dim = query.shape
     heads = keys[0].shape[1]
     group = num_q_heads // heads

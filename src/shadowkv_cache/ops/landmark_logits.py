@@ -57,11 +57,17 @@ def landmark_logits_int8(q: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return landmark_logits_int8_op(q, codes, scales).transpose(2, 3).unsqueeze(3)
 
 
+def _one_token(q: torch.Tensor) -> None:
+    torch._check(q.shape[3] == 1, lambda: "the landmark_logits_int8 operator takes one query token")
+
+
 def _logits_twin(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    _one_token(q)
     return landmark_logits_int8_reference(q, codes, scales).squeeze(3).transpose(2, 3).contiguous()
 
 
 def _logits_like(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    _one_token(q)
     batch, heads, group, _, _ = q.shape
     return q.new_empty((batch, heads, codes.shape[2], group))
 
@@ -70,6 +76,7 @@ def _logits_like(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
 def landmark_logits_int8_op(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`torch.ops.shadowkv.landmark_logits_int8`: the kernel on what `landmark_logits_int8` checked (one query
     token); the logits as `[B, Hkv, C, G]`, contiguous."""
+    _one_token(q)
     batch, heads, group, _, dim = q.shape
     chunks = codes.shape[2]
     out = torch.empty((batch, heads, chunks, group), dtype=q.dtype, device=q.device)

@@ -65,17 +65,25 @@ def landmark_scores(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Ten
     return landmark_scores_op(logits, selectable)
 
 
+def _one_token(logits: torch.Tensor) -> None:
+    torch._check(logits.shape[3] == 1, lambda: "the landmark_scores operator takes one query token")
+
+
+def _scores_twin(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
+    _one_token(logits)
+    return landmark_scores_reference(logits, selectable)
+
+
 def _scores_like(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
+    _one_token(logits)
     batch, heads, _, _, chunks = logits.shape
     return torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
 
 
-@define_op(
-    "landmark_scores(Tensor logits, Tensor selectable) -> Tensor", cpu=landmark_scores_reference, fake=_scores_like
-)
+@define_op("landmark_scores(Tensor logits, Tensor selectable) -> Tensor", cpu=_scores_twin, fake=_scores_like)
 def landmark_scores_op(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
     """`torch.ops.shadowkv.landmark_scores`: the kernel on what `landmark_scores` checked (one query token)."""
-    torch._check(logits.shape[3] == 1, lambda: "the landmark_scores kernel takes one query token: call landmark_scores")
+    _one_token(logits)
     batch, heads, group, _, chunks = logits.shape
     selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
