@@ -68,8 +68,8 @@ def quantize_vectors(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVec
     dim = quantizer.head_dim
     if not (kernels_available(x.device) and dim <= _MAX_DIM):
         return quantize_vectors_reference(quantizer, x)
-    if not x[..., 0].numel():  # nothing to quantise: no kernel, no device tables
-        return quantize_vectors_reference(quantizer, x)
+    if not x[..., 0].numel():  # nothing to quantise: empty outputs, no kernel, nothing copied to the device
+        return QuantizedVectors(*_codes_like(x, None, None, quantizer.grid_dim, quantizer.seed))
     if x.dtype not in _KERNEL_DTYPES:
         x = x.float()
     if vector_strides(x) is None:
@@ -85,7 +85,7 @@ def _quantize_twin(x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, gri
     return packed.codes, packed.norms
 
 
-def _codes_like(x: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, grid_dim: int, seed: int):
+def _codes_like(x: torch.Tensor, grid: torch.Tensor | None, signs: torch.Tensor | None, grid_dim: int, seed: int):
     lead = x.shape[:-1]
     codes = torch.empty((*lead, x.shape[-1] // grid_dim), dtype=torch.uint8, device=x.device)
     return codes, torch.empty(lead, dtype=torch.float16, device=x.device)

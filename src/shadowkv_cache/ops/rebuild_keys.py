@@ -152,10 +152,18 @@ def rebuild_missed_keys(
             )
         return
     # Accelerator without kernels: rebuild every slot (fixed size, no synchronisation) and keep the misses.
-    pre = _slot_products(ids, a, b, c)  # [B, Hkv, K, c, D]
+    _rope_into_missed(keys, _slot_products(ids, a, b, c), ids, miss, positions, rope)
+
+
+def _rope_into_missed(
+    keys: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor, positions: torch.Tensor, rope: RopeFn
+) -> None:
+    """Every slot's pre-RoPE keys `pre` (`[B, Hkv, K, c, D]`) rotated by `rope` at its chunk's positions, written
+    into `keys` where `miss`."""
+    batch, heads, num_slots, c, dim = keys.shape
     tokens = ids.clamp(min=0)[..., None] * c + torch.arange(c, device=ids.device)  # [B, Hkv, K, c]
     token_positions = positions.gather(1, tokens.reshape(batch, -1)).view(batch * heads * num_slots, c)
-    rebuilt = rope(pre.view(-1, c, dim), token_positions).view_as(keys)
+    rebuilt = rope(pre.reshape(-1, c, dim), token_positions).view_as(keys)
     keys.copy_(torch.where(miss[..., None, None], rebuilt.to(keys.dtype), keys))
 
 
@@ -198,14 +206,11 @@ def _rope_missed_reference(
     rotary_dim: int,
     interleaved: bool,
 ) -> None:
-    """The op's twin: every slot's `pre` keys rotated by `rope_reference` at its chunk's positions, kept where
-    `miss`."""
-    batch, heads, num_slots, c, _ = keys.shape
-    tokens = ids.clamp(min=0)[..., None] * c + torch.arange(c, device=ids.device)  # [B, Hkv, K, c]
-    token_positions = positions.gather(1, tokens.reshape(batch, -1)).view(batch, heads, num_slots, c)
+    """The op's twin: `_rope_into_missed` with the RoPE the kernel computes (`rope_reference`)."""
     layout = RopeLayout(rotary_dim, interleaved)
-    rebuilt = rope_reference(pre, token_positions, inv_freq, attention_scaling, layout)
-    keys.copy_(torch.where(miss[..., None, None], rebuilt.to(keys.dtype), keys))
+    _rope_into_missed(
+        keys, pre, ids, miss, positions, lambda k, p: rope_reference(k, p, inv_freq, attention_scaling, layout)
+    )
 
 
 @define_op(

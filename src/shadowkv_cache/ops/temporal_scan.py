@@ -24,8 +24,9 @@ from .loader import kernels_available, load_kernels
 __all__ = ["QUADRATIC_SLOTS", "temporal_scan", "temporal_scan_op", "temporal_scan_reference", "temporal_scan_sorted"]
 
 # Above this many slots the kernel's K^2 comparisons per head (and the reference's K^2 memory) cost more than sorting.
-# The kernel itself takes up to 2048 (22 bytes of shared memory per slot).
+# The kernel itself takes up to `_MAX_SLOTS` (22 bytes of shared memory per slot).
 QUADRATIC_SLOTS = 1024
+_MAX_SLOTS = 2048
 
 
 def temporal_scan_reference(
@@ -105,7 +106,9 @@ def temporal_scan_op(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tenso
     """`torch.ops.shadowkv.temporal_scan`: the kernel (contiguous inputs, at most 2048 slots); updates `ids` in place
     and returns `miss`."""
     num_slots = ids.shape[-1]
-    torch._check(0 < num_slots <= 2048, lambda: f"the temporal_scan kernel takes 1 to 2048 slots, got {num_slots}")
+    torch._check(
+        0 < num_slots <= _MAX_SLOTS, lambda: f"the temporal_scan kernel takes 1 to {_MAX_SLOTS} slots, got {num_slots}"
+    )
     kernels = load_kernels("temporal_scan", ids.device)
     miss = _miss_like(ids, wanted, valid)
     rows = ids.numel() // num_slots
