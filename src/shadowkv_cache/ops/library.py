@@ -13,9 +13,8 @@ tracing and capture. Where a kernel would read an argument otherwise than the tw
 the named quantiser's, several query tokens), the operator refuses it on every device rather than answer differently.
 
 Registered with `torch.library.define`/`impl`/`register_fake` rather than the `torch.library.custom_op` decorator:
-the decorator's Python wrapper (autograd, aliasing checks) cost ~40 µs per call against ~4 µs (a 2-core CPU, torch
-2.13, an op that does nothing), an eager decode step calls these ops a few hundred times, and nothing here needs
-autograd (design.md §10).
+the decorator's Python wrapper adds autograd and aliasing checks to every call, an eager decode step calls these ops a
+few hundred times, and nothing here needs autograd (design.md §10).
 """
 
 from __future__ import annotations
