@@ -15,6 +15,7 @@ from . import (  # noqa: F401 - registers each module's operator
     landmark_scores,
     quantize_higgs,
     score_codes,
+    select_topk,
     temporal_scan,
 )
 from .library import registered_ops
@@ -33,13 +34,16 @@ KERNELS: dict[str, tuple[str, str]] = {
     # ShadowKV's chunk scores from the landmark GEMM's output as it lies: softmax, group max, mask.
     "landmark_scores": ("shadowkv_cache.ops.landmark_scores", "landmark_scores_reference"),
     "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),
-    # RoPE of the missed slots after the batched A·B product; `rebuild_keys` defines the rebuilt keys.
+    # The missed slots' keys: A·B on tensor cores and RoPE in one kernel, or RoPE after a batched GEMM of every
+    # slot; `rebuild_keys` defines the rebuilt keys.
     "rebuild_keys": ("shadowkv_cache.ops.rebuild_keys", "rebuild_keys"),
     # `code_scores` on tensor cores (one pass over the codes, then the scores from its fp16 exponentials), or the fp32
     # kernel's logits and per-tile states, whose second pass is `softmax_group_max`; either way the twin's scores.
     "score_codes": ("shadowkv_cache.ops.score_codes", "code_scores_reference"),
     # Second pass of `code_scores`: softmax over the selectable units, max over each GQA group.
     "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),
+    # The k best scores of each (row, head), best first: a radix select per row, then each candidate's rank.
+    "select_topk": ("shadowkv_cache.ops.select_topk", "select_topk_reference"),
     "temporal_scan": ("shadowkv_cache.ops.temporal_scan", "temporal_scan_reference"),
 }
 
@@ -52,6 +56,8 @@ OPERATORS: dict[str, tuple[str, ...]] = {
     "landmark_logits_int8": ("landmark_logits",),
     "landmark_scores": ("landmark_scores",),
     "quantize_higgs": ("quantize_higgs",),
+    "rebuild_missed": ("rebuild_keys",),
     "rope_missed": ("rebuild_keys",),
+    "select_topk": ("select_topk",),
     "temporal_scan": ("temporal_scan",),
 }

@@ -13,11 +13,15 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..ops.loader import kernels_available
+from ..ops.select_topk import MAX_K, select_topk
+
 __all__ = ["SelectionPolicy", "best_indices", "grouped_query"]
 
-# torch.topk gives each row one thread block while rows are few and shorter than 20,000 (its multi-block kernel
-# starts there: `should_use_multiblock` in ATen's TensorTopK.cu). At batch 1 and 128K that is 8 blocks for 8 rows of
-# 16K chunks: 2.96 ms of a 16 ms step on an H200 machine, the step's largest kernel (decode_profile_128k_batch1).
+# Without the top-k kernel (`SHADOWKV_KERNELS=0`, no cuda-python): torch.topk gives each row one thread block while
+# rows are few and shorter than 20,000 (its multi-block kernel starts there: `should_use_multiblock` in ATen's
+# TensorTopK.cu). At batch 1 and 128K that is 8 blocks for 8 rows of 16K chunks: 2.96 ms of a 16 ms step on an H200
+# machine (decode_profile_128k_batch1), so such rows go through `two_stage_topk`.
 _FEW_ROWS, _SHORT_ROW = 20, 20_000
 
 
@@ -29,9 +33,12 @@ def grouped_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices `[..., k]` of the `k` largest of `scores` `[..., N]`, best first: `torch.topk`'s, up to which of equally
-    scored units are taken and their order. On CUDA, few rows shorter than torch.topk's multi-block size go through
+    scored units are taken and their order. On CUDA, the top-k kernel (`ops/select_topk.py`: equal scores by
+    ascending index) where it applies; otherwise few rows shorter than torch.topk's multi-block size go through
     `two_stage_topk`."""
     n = scores.shape[-1]
+    if 0 < k <= min(n, MAX_K) and scores.dtype == torch.float32 and kernels_available(scores.device):
+        return select_topk(scores, k)
     rows = scores.numel() // max(n, 1)
     part = 4 * k
     if scores.is_cuda and k > 0 and 0 < rows <= _FEW_ROWS and 2 * part <= n < _SHORT_ROW:
