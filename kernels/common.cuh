@@ -102,6 +102,27 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[
 #endif
 }
 
+/// \brief c += a . b over one m16n8k16 tile of bf16 operands (fp32 accumulators).
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // the ops send only sm_80+ here
+#endif
+}
+
+/// \brief The m16n8k16 MMA of a 16-bit element type's operands: bf16 or fp16.
+__device__ __forceinline__ void mma_m16n8k16_of(bf16, float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_m16n8k16_bf16(c, a, b0, b1);
+}
+__device__ __forceinline__ void mma_m16n8k16_of(f16, float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_m16n8k16(c, a, b0, b1);
+}
+
 /// \brief 2^k as float32, exactly, for k in [-126, 127].
 __device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
 

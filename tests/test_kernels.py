@@ -22,6 +22,7 @@ from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_lo
 from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
+from shadowkv_cache.ops.select_topk import select_topk, select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan, temporal_scan_reference
 from shadowkv_cache.policies import LandmarkTopK
 from shadowkv_cache.stores.value_store import HostValueStore
@@ -178,6 +179,70 @@ def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
     rebuild_missed_keys(private, ids, miss, expand(a).contiguous(), expand(b).contiguous(),
                         expand(positions).contiguous(), rope)  # fmt: skip
     assert torch.equal(shared, private)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dim, rank, c, rotary, interleaved",
+    [(64, 20, 8, 48, False), (128, 160, 8, 128, False), (256, 33, 5, 256, False), (128, 96, 3, 64, True),
+     (64, 16, 1, 0, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("batch, heads, slots", [(1, 8, 256), (3, 2, 37)])
+def test_fused_rebuild_gives_the_gemm_paths_keys(dtype, dim, rank, c, rotary, interleaved, batch, heads, slots):
+    """The fused kernel (A·B of the missed slots on tensor cores, RoPE from a shared tile) against the batched GEMM of
+    every slot then `rope_missed`: the products differ only in the order of their fp32 sums before the one rounding,
+    so nearly every element is equal and none is more than two units in the last place of the products apart."""
+    gen = torch.Generator().manual_seed(dim + rank + c)
+    chunks = slots + 5
+    tc = chunks * c
+    a = (torch.randn(batch, tc, rank, generator=gen) / rank**0.5).to(CUDA, dtype)
+    b = torch.randn(batch, rank, heads, dim, generator=gen).to(CUDA, dtype)
+    positions = (torch.arange(tc) * 7 + 50_000)[None].expand(batch, tc).contiguous().to(CUDA)
+    ids = torch.stack([torch.randperm(chunks, generator=gen)[:slots] for _ in range(batch * heads)])
+    ids = ids.view(batch, heads, slots).to(CUDA)
+    ids[0, 0, 1] = -1  # an empty slot that misses reads chunk 0, as the twin does
+    miss = (torch.rand(batch, heads, slots, generator=gen) < 0.4).to(CUDA)
+    inv_freq = (10000.0 ** -(torch.arange(0, rotary, 2) / max(rotary, 1))).float() if rotary else torch.zeros(1)
+    inv_freq = inv_freq.to(CUDA)
+    before = torch.randn(batch, heads, slots, c, dim, generator=gen).to(CUDA, dtype)
+    fused, gemm = before.clone(), before.clone()
+    rebuild_keys_op.rebuild_missed_op(fused, a, b, ids, miss, positions, inv_freq, 1.25, rotary, interleaved)
+    pre = rebuild_keys_op._slot_products(ids, a, b, c)
+    rebuild_keys_op.rope_missed_op(gemm, pre, ids, miss, positions, inv_freq, 1.25, rotary, interleaved)
+    assert torch.equal(fused[~miss], before[~miss])  # hits untouched
+    got, want = fused[miss].float(), gemm[miss].float()
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * pre.float().abs().amax().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
+    assert got.eq(want).float().mean().item() > 0.9
+
+
+def test_fused_rebuild_splits_a_heads_slots_over_blocks(monkeypatch):
+    """At batch 1 a head's slots are split over several blocks (`_slots_per_block`): the same keys as one block per
+    head."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, slots, chunks, c, dim, rank = 1, 8, 300, 900, 8, 128, 160
+    a = (torch.randn(batch, chunks * c, rank, generator=gen) / rank**0.5).to(CUDA, torch.bfloat16)
+    b = torch.randn(batch, rank, heads, dim, generator=gen).to(CUDA, torch.bfloat16)
+    positions = torch.arange(chunks * c)[None].to(CUDA)
+    ids = torch.stack([torch.randperm(chunks, generator=gen)[:slots] for _ in range(heads)]).view(1, heads, slots)
+    ids, miss = ids.to(CUDA), (torch.rand(batch, heads, slots, generator=gen) < 0.5).to(CUDA)
+    inv_freq = (10000.0 ** -(torch.arange(0, dim, 2) / dim)).float().to(CUDA)
+    args = (a, b, ids, miss, positions, inv_freq, 1.0, dim, False)
+    assert rebuild_keys_op._slots_per_block(CUDA, batch * heads, slots) < slots
+    split = torch.zeros(batch, heads, slots, c, dim, device=CUDA, dtype=torch.bfloat16)
+    rebuild_keys_op.rebuild_missed_op(split, *args)
+    monkeypatch.setattr(rebuild_keys_op, "_FUSED_BLOCKS_PER_SM", 0)
+    assert rebuild_keys_op._slots_per_block(CUDA, batch * heads, slots) == slots
+    whole = torch.zeros_like(split)
+    rebuild_keys_op.rebuild_missed_op(whole, *args)
+    assert torch.equal(split, whole)
+    # Factors that are not 16-byte aligned are read element by element: the same keys.
+    a_odd = torch.empty(batch, chunks * c, rank + 1, device=CUDA, dtype=a.dtype)[..., 1:].copy_(a)
+    b_odd = torch.empty(batch, rank, heads, dim + 1, device=CUDA, dtype=b.dtype)[..., 1:].copy_(b)
+    assert not rebuild_keys_op._aligned_rows(a_odd, a_odd.stride()[:2], rank)
+    scalar = torch.zeros_like(split)
+    rebuild_keys_op.rebuild_missed_op(scalar, a_odd, b_odd, *args[2:])
+    assert torch.equal(scalar, whole)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -365,6 +430,55 @@ def test_landmark_scores_kernel_replays_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     want = landmark_scores_reference(logits, selectable)
     torch.testing.assert_close(out[selectable], want[selectable], rtol=1e-5, atol=1e-9)
+
+
+def topk_scores(rows, n, kind, gen):
+    """`[rows, n]` fp32 scores: softmax-like probabilities (clustered top bits), heavy ties, or mostly -inf with a NaN
+    and signed zeros."""
+    if kind == "probs":
+        return torch.softmax(torch.randn(rows, n, generator=gen) * 3, dim=-1)
+    if kind == "ties":
+        return (torch.randn(rows, n, generator=gen) * 2).round() / 2
+    scores = torch.randn(rows, n, generator=gen)
+    scores[torch.rand(rows, n, generator=gen) < 0.9] = float("-inf")
+    scores[0, n // 2] = float("nan")
+    if n > 1:
+        scores[-1, :2] = torch.tensor([-0.0, 0.0])
+    return scores
+
+
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(8, 16376, 256), (352, 16376, 256), (3, 5, 5), (2, 3000, 2048), (5, 1, 1), (1, 70001, 777), (40, 1024, 1)],
+)
+@pytest.mark.parametrize("kind", ["probs", "ties", "masked"])
+def test_select_topk_kernel_matches_twin(rows, n, k, kind):
+    """The same indices in the same order as the stable descending sort, ties by index included."""
+    scores = topk_scores(rows, n, kind, torch.Generator().manual_seed(rows + n + k)).to(CUDA)
+    got = select_topk(scores, k)
+    assert torch.equal(got.cpu(), select_topk_reference(scores.cpu(), k))
+
+
+def test_select_topk_kernel_reads_rows_of_a_strided_view_and_keeps_leading_dims():
+    gen = torch.Generator().manual_seed(1)
+    scores = topk_scores(4 * 8, 1001, "ties", gen).view(4, 8, 1001).to(CUDA)
+    view = scores.transpose(0, 1)  # rows no longer in memory order
+    assert torch.equal(select_topk(view, 100).cpu(), select_topk_reference(view.cpu(), 100))
+    padded = torch.zeros(4, 8, 1100, device=CUDA)[..., :1001].copy_(scores)  # row stride 1100
+    assert torch.equal(select_topk(padded, 100), select_topk(scores, 100))
+
+
+def test_select_topk_kernel_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(2)
+    scores = topk_scores(16, 4000, "probs", gen).to(CUDA)
+    select_topk(scores, 300)  # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select_topk(scores, 300)
+    scores.copy_(topk_scores(16, 4000, "ties", gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), select_topk_reference(scores.cpu(), 300))
 
 
 def int8_landmark_case(batch, heads, group, chunks, dim, dtype, shared, seed):

@@ -24,8 +24,9 @@ from shadowkv_cache.ops.gather_values import gather_values_reference
 from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference
 from shadowkv_cache.ops.landmark_scores import landmark_scores_reference
 from shadowkv_cache.ops.library import NAMESPACE
-from shadowkv_cache.ops.rebuild_keys import RopeLayout, rope_reference
+from shadowkv_cache.ops.rebuild_keys import RopeLayout, rebuild_keys, rope_reference
 from shadowkv_cache.ops.score_codes import code_scores_reference
+from shadowkv_cache.ops.select_topk import select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
 from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
@@ -119,6 +120,27 @@ def _gather_dequant(device, g, some=True):
     return keys, values, ids, fetch, store.data, address, row_map, grid, signs, QUANTIZER.grid_dim, QUANTIZER.seed
 
 
+def _rebuild(device, g, rotary=48, interleaved=False, shared=False):
+    """The fused rebuild's arguments: rank 20 (padded to 32 in the kernel), rows of one document when `shared`."""
+    batch, heads, slots, c, dim, chunks, rank = 2, 2, 3, 4, 64, 5, 20
+    keys = torch.randn(batch, heads, slots, c, dim, generator=g).to(device, torch.bfloat16)
+    a = torch.randn(1 if shared else batch, chunks * c, rank, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(1 if shared else batch, rank, heads, dim, generator=g).to(device, torch.bfloat16)
+    if shared:
+        a, b = a.expand(batch, -1, -1), b.expand(batch, -1, -1, -1)
+    _, _, ids, miss, positions, inv_freq, scaling, _, _ = _rope(device, g, rotary, interleaved)
+    return keys, a, b, ids, miss, positions, inv_freq, scaling, rotary, interleaved
+
+
+def _select_topk(device, g, k=7):
+    """Scores with ties (rounded to quarters), NaN, -0.0 beside +0.0 and -inf (not selectable) entries."""
+    scores = (torch.randn(2, 3, 40, generator=g) * 4).round() / 4
+    scores[0, 0, :12] = float("-inf")
+    scores[0, 1, 3], scores[0, 1, 5] = -0.0, 0.0
+    scores[1, 2, 9] = float("nan")
+    return scores.to(device), k
+
+
 def _value_store(device, g, value_format):
     source = torch.randn(2, 2, 6, 8, 64, generator=g).to(device, torch.bfloat16)
     return HostValueStore.offload(source, pin=device.type == "cuda", value_format=value_format)
@@ -142,6 +164,7 @@ def _gather_values(device, g, value_format="higgs4"):
 SAMPLES = {
     "temporal_scan": _scan,
     "rope_missed": _rope,
+    "rebuild_missed": _rebuild,
     "attend_parts": _attend,
     "landmark_logits_int8": _landmark_logits,
     "landmark_scores": _landmark_scores,
@@ -149,16 +172,22 @@ SAMPLES = {
     "code_scores": _code_scores,
     "gather_dequant": _gather_dequant,
     "gather_values": _gather_values,
+    "select_topk": _select_topk,
 }
 # More paths of the same operators: (operator, sample)
 VARIANTS = {
     "rope_missed[interleaved]": ("rope_missed", lambda d, g: _rope(d, g, rotary=64, interleaved=True)),
     "rope_missed[no rope]": ("rope_missed", lambda d, g: _rope(d, g, rotary=0)),
+    "rebuild_missed[interleaved, shared]": (
+        "rebuild_missed",
+        lambda d, g: _rebuild(d, g, rotary=64, interleaved=True, shared=True),
+    ),
     "attend_parts[plain]": ("attend_parts", lambda d, g: _attend(d, g, terms=False)),
     "code_scores[tensor cores]": ("code_scores", lambda d, g: (*_code_scores(d, g)[:-1], True)),
     "gather_dequant[every slot]": ("gather_dequant", lambda d, g: _gather_dequant(d, g, some=False)),
     "gather_values[native]": ("gather_values", lambda d, g: _gather_values(d, g, "native")),
     "gather_values[fp8]": ("gather_values", lambda d, g: _gather_values(d, g, "fp8")),
+    "select_topk[all]": ("select_topk", lambda d, g: _select_topk(d, g, k=40)),
 }
 CASES = {**{name: (name, fn) for name, fn in SAMPLES.items()}, **VARIANTS}
 # GPU against CPU: (rtol, atol) where the dtype's defaults do not fit. The kernels exponentiate with __expf and sum in
@@ -170,6 +199,9 @@ TOLERANCES = {
     # Weighted sums of bf16 values in another order, rounded to bf16: a unit in the last place of outputs up to ~1.
     "attend_parts": (1.6e-2, 8e-3),
     "attend_parts[plain]": (1.6e-2, 8e-3),
+    # Products of rank 20 (up to ~16) summed in another order, then rounded to bf16: two units in the last place.
+    "rebuild_missed": (1.6e-2, 0.13),
+    "rebuild_missed[interleaved, shared]": (1.6e-2, 0.13),
 }
 # opcheck's schema test compares float8 inputs with arithmetic the CPU lacks for that dtype; the fp8 store checks the
 # rest (the schema is the same for every format).
@@ -231,6 +263,9 @@ def test_operators_refuse_what_their_kernels_cannot_mean():
     args[-1] += 1  # another seed than the one whose tables are passed
     with pytest.raises(ValueError, match="device_tables"):
         op("gather_dequant")(*args)
+    scores, _ = sample("select_topk", "cpu")
+    with pytest.raises(RuntimeError, match="1 <= k <= min"):
+        op("select_topk")(scores, 41)
 
 
 def test_cpu_implementations_are_the_twins():
@@ -249,6 +284,15 @@ def test_cpu_implementations_are_the_twins():
         at = positions[b, ids[b, h, k] * c : (ids[b, h, k] + 1) * c]
         want = rope_reference(pre[b, h, k], at, inv_freq, scaling, RopeLayout(rotary, interleaved))
         assert torch.equal(got[b, h, k], want)
+    assert torch.equal(got[~miss], keys[~miss])
+
+    keys, a, b, ids, miss, positions, inv_freq, scaling, rotary, interleaved = sample("rebuild_missed", "cpu")
+    got = keys.clone()
+    op("rebuild_missed")(got, a, b, ids, miss, positions, inv_freq, scaling, rotary, interleaved)
+    rope = lambda k, p: rope_reference(k, p, inv_freq, scaling, RopeLayout(rotary, interleaved))  # noqa: E731
+    rows, hs, slots = miss.nonzero(as_tuple=True)
+    want = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, slots], keys.shape[3], rope)
+    torch.testing.assert_close(got[rows, hs, slots], want, rtol=1.6e-2, atol=0.13)
     assert torch.equal(got[~miss], keys[~miss])
 
     query, keys, values, valid, scaling, softcap, sinks = sample("attend_parts", "cpu")
@@ -278,6 +322,10 @@ def test_cpu_implementations_are_the_twins():
     want_keys, want_values = gather_dequant_reference(QuantizedKVStore(data, row_map), ids, QUANTIZER, keys.dtype)
     assert torch.equal(keys[fetch], want_keys[fetch]) and torch.equal(values[fetch], want_values[fetch])
     assert not keys[~fetch].any() and not values[~fetch].any()
+
+    scores, k = sample("select_topk", "cpu")
+    got = op("select_topk")(scores, k)
+    assert torch.equal(got, select_topk_reference(scores, k))
 
     for value_format in ("native", "fp8", "higgs4"):
         args = _gather_values(torch.device("cpu"), torch.Generator().manual_seed(5), value_format)
@@ -312,7 +360,7 @@ def test_compile_traces_each_operator_as_one_opaque_node(name):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(compiled_args, eager_args):
         if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_fakes_answer_for_cuda_tensors_without_a_gpu():
@@ -345,8 +393,10 @@ def test_fakes_answer_for_cuda_tensors_without_a_gpu():
         landmark = torch.empty(4, 8, 6, 1, 500, dtype=torch.bfloat16, device=CUDA)
         chunk_scores = op("landmark_scores")(landmark, torch.empty(4, 8, 500, dtype=torch.bool, device=CUDA))
         assert (chunk_scores.shape, chunk_scores.dtype) == ((4, 8, 500), torch.float32)
+        best = op("select_topk")(chunk_scores, 16)
+        assert (best.shape, best.dtype) == ((4, 8, 16), torch.int64)
         # The kernels write fresh contiguous outputs: so do the fakes.
-        for t in (miss, logits, scores, codes, norms, out, chunk_scores):
+        for t in (miss, logits, scores, codes, norms, out, chunk_scores, best):
             assert t.is_contiguous()
 
 

@@ -185,6 +185,7 @@ class Kernels:
             cubin = cubin_for(stem, _device_arch(device), defines=defines)
             self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({stem})")
         self._functions: dict[str, object] = {}
+        self._max_shared: dict[str, int] = {}  # dynamic shared memory each function was allowed beyond 48 KiB
 
     def function(self, name: str):
         fn = self._functions.get(name)
@@ -194,9 +195,13 @@ class Kernels:
         return fn
 
     def set_max_dynamic_shared(self, name: str, nbytes: int) -> None:
+        """Let `name` take `nbytes` of dynamic shared memory (a driver call only when that raises the limit)."""
+        if nbytes <= self._max_shared.get(name, 48 * 1024):
+            return
         attr = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         with torch.cuda.device(self.device):
             _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
+        self._max_shared[name] = nbytes
 
     def launch(
         self,
