@@ -1,10 +1,11 @@
 // Key rebuild for missed chunks (ShadowKV §3.3): rows of A times B, then RoPE at the chunk's true positions,
 // written into the slot of the per-head key buffer. Twin: shadowkv_cache/ops/rebuild_keys.py (the definition).
 //
-// The product A·B runs before this kernel as one batched tensor-core GEMM over every slot (ops/rebuild_keys.py):
-// a CUDA-core kernel that multiplied only the missed chunks ran at ~3 TFLOP/s (1.47 ms per layer at batch 32,
-// 128K, h = 0.6 on an H200), the GEMM over all slots in tens of microseconds. This kernel applies RoPE to the
-// missed slots and writes them; hits are left as they are.
+// Two kernels. `rebuild_missed_*` (below, for 16-bit keys of head size 64, 128 or 256) does it all for the missed slots
+// on tensor cores. `rope_missed_*` (the other keys) applies RoPE to the missed slots after one batched GEMM over every
+// slot has formed the products (ops/rebuild_keys.py): a CUDA-core kernel that multiplied only the missed chunks ran at
+// ~3 TFLOP/s (1.47 ms per layer at batch 32, 128K, h = 0.6 on an H200), the GEMM over all slots in tens of
+// microseconds, before the tensor-core kernel below multiplied only the misses.
 //
 // Legend: B batch, Hkv KV heads, K slots, c chunk size, D head dim, Tc compressed tokens.
 #include "common.cuh"

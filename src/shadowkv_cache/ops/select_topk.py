@@ -16,11 +16,14 @@ import torch
 from .library import define_op
 from .loader import kernels_available, load_kernels
 
-__all__ = ["MAX_K", "select_topk", "select_topk_op", "select_topk_reference"]
+__all__ = ["MAX_K", "REGISTER_ROW", "select_topk", "select_topk_op", "select_topk_reference"]
 
 MAX_K = 2048  # TOPK_MAX_K in the kernel
 _THREADS = 1024  # TOPK_THREADS in the kernel
-_REGISTER_ROW = 16 * _THREADS  # TOPK_REG_ITEMS * TOPK_THREADS: rows this long are read once, into registers
+# TOPK_REG_ITEMS * TOPK_THREADS: rows up to this long are read once, into registers. Longer rows (YAKV's tokens) take
+# the kernel that reads the row again at each pass, one block per row; it is tested but not yet measured against
+# torch.topk's multi-block kernels, so `policies/base.py` sends only rows up to this long here.
+REGISTER_ROW = 16 * _THREADS
 _MAX_ROWS = 2**31 - 1  # the grid's x dimension
 
 
@@ -85,7 +88,7 @@ def select_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
     out = _indices_like(scores, k)
     if rows.shape[0]:
         load_kernels("select_topk", scores.device).launch(
-            "select_topk_regs" if n <= _REGISTER_ROW else "select_topk",
+            "select_topk_regs" if n <= REGISTER_ROW else "select_topk",
             grid=(rows.shape[0], 1, 1),
             block=(_THREADS, 1, 1),
             args=[rows, (rows.stride(0), ctypes.c_longlong), out, (n, ctypes.c_int), (k, ctypes.c_int)],

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.loader import kernels_available
-from ..ops.select_topk import MAX_K, select_topk
+from ..ops.select_topk import MAX_K, REGISTER_ROW, select_topk
 
 __all__ = ["SelectionPolicy", "best_indices", "grouped_query"]
 
@@ -33,11 +33,12 @@ def grouped_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices `[..., k]` of the `k` largest of `scores` `[..., N]`, best first: `torch.topk`'s, up to which of equally
-    scored units are taken and their order. On CUDA, the top-k kernel (`ops/select_topk.py`: equal scores by
-    ascending index) where it applies; otherwise few rows shorter than torch.topk's multi-block size go through
-    `two_stage_topk`."""
+    scored units are taken and their order. On CUDA, rows of up to 16K scores (ShadowKV's chunks) take the top-k
+    kernel (`ops/select_topk.py`: equal scores by ascending index); otherwise few rows shorter than torch.topk's
+    multi-block size go through `two_stage_topk`."""
     n = scores.shape[-1]
-    if 0 < k <= min(n, MAX_K) and scores.dtype == torch.float32 and kernels_available(scores.device):
+    kernel_sized = 0 < k <= min(n, MAX_K) and n <= REGISTER_ROW and scores.dtype == torch.float32
+    if kernel_sized and kernels_available(scores.device):
         return select_topk(scores, k)
     rows = scores.numel() // max(n, 1)
     part = 4 * k
