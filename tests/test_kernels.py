@@ -18,6 +18,7 @@ from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
 from shadowkv_cache.core.landmarks import quantize_landmarks
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
+from shadowkv_cache.ops.key_rope import slot_products
 from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_logits_int8_reference
 from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.loader import kernels_available
@@ -35,6 +36,7 @@ pytestmark = [
 
 CUDA = torch.device("cuda")
 rebuild_keys_op = importlib.import_module("shadowkv_cache.ops.rebuild_keys")  # `ops.rebuild_keys` is the twin
+rebuild_missed_op = importlib.import_module("shadowkv_cache.ops.rebuild_missed")
 landmark_scores_op = importlib.import_module("shadowkv_cache.ops.landmark_scores")
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
@@ -206,8 +208,8 @@ def test_fused_rebuild_gives_the_gemm_paths_keys(dtype, dim, rank, c, rotary, in
     inv_freq = inv_freq.to(CUDA)
     before = torch.randn(batch, heads, slots, c, dim, generator=gen).to(CUDA, dtype)
     fused, gemm = before.clone(), before.clone()
-    rebuild_keys_op.rebuild_missed_op(fused, a, b, ids, miss, positions, inv_freq, 1.25, rotary, interleaved)
-    pre = rebuild_keys_op._slot_products(ids, a, b, c)
+    rebuild_missed_op.rebuild_missed_op(fused, a, b, ids, miss, positions, inv_freq, 1.25, rotary, interleaved)
+    pre = slot_products(ids, a, b, c)
     rebuild_keys_op.rope_missed_op(gemm, pre, ids, miss, positions, inv_freq, 1.25, rotary, interleaved)
     assert torch.equal(fused[~miss], before[~miss])  # hits untouched
     got, want = fused[miss].float(), gemm[miss].float()
@@ -228,20 +230,20 @@ def test_fused_rebuild_splits_a_heads_slots_over_blocks(monkeypatch):
     ids, miss = ids.to(CUDA), (torch.rand(batch, heads, slots, generator=gen) < 0.5).to(CUDA)
     inv_freq = (10000.0 ** -(torch.arange(0, dim, 2) / dim)).float().to(CUDA)
     args = (a, b, ids, miss, positions, inv_freq, 1.0, dim, False)
-    assert rebuild_keys_op._slots_per_block(CUDA, batch * heads, slots) < slots
+    assert rebuild_missed_op._slots_per_block(CUDA, batch * heads, slots) < slots
     split = torch.zeros(batch, heads, slots, c, dim, device=CUDA, dtype=torch.bfloat16)
-    rebuild_keys_op.rebuild_missed_op(split, *args)
-    monkeypatch.setattr(rebuild_keys_op, "_FUSED_BLOCKS_PER_SM", 0)
-    assert rebuild_keys_op._slots_per_block(CUDA, batch * heads, slots) == slots
+    rebuild_missed_op.rebuild_missed_op(split, *args)
+    monkeypatch.setattr(rebuild_missed_op, "_FUSED_BLOCKS_PER_SM", 0)
+    assert rebuild_missed_op._slots_per_block(CUDA, batch * heads, slots) == slots
     whole = torch.zeros_like(split)
-    rebuild_keys_op.rebuild_missed_op(whole, *args)
+    rebuild_missed_op.rebuild_missed_op(whole, *args)
     assert torch.equal(split, whole)
     # Factors that are not 16-byte aligned are read element by element: the same keys.
     a_odd = torch.empty(batch, chunks * c, rank + 1, device=CUDA, dtype=a.dtype)[..., 1:].copy_(a)
     b_odd = torch.empty(batch, rank, heads, dim + 1, device=CUDA, dtype=b.dtype)[..., 1:].copy_(b)
-    assert not rebuild_keys_op._aligned_rows(a_odd, a_odd.stride()[:2], rank)
+    assert not rebuild_missed_op._aligned_rows(a_odd, a_odd.stride()[:2], rank)
     scalar = torch.zeros_like(split)
-    rebuild_keys_op.rebuild_missed_op(scalar, a_odd, b_odd, *args[2:])
+    rebuild_missed_op.rebuild_missed_op(scalar, a_odd, b_odd, *args[2:])
     assert torch.equal(scalar, whole)
 
 

@@ -25,6 +25,7 @@ from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference
 from shadowkv_cache.ops.landmark_scores import landmark_scores_reference
 from shadowkv_cache.ops.library import NAMESPACE
 from shadowkv_cache.ops.rebuild_keys import RopeLayout, rebuild_keys, rope_reference
+from shadowkv_cache.ops.rebuild_missed import rebuild_missed_reference
 from shadowkv_cache.ops.score_codes import code_scores_reference
 from shadowkv_cache.ops.select_topk import select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference
@@ -294,6 +295,9 @@ def test_cpu_implementations_are_the_twins():
     want = rebuild_keys(a, b, positions, rows, hs, ids[rows, hs, slots], keys.shape[3], rope)
     torch.testing.assert_close(got[rows, hs, slots], want, rtol=1.6e-2, atol=0.13)
     assert torch.equal(got[~miss], keys[~miss])
+    twin = keys.clone()
+    rebuild_missed_reference(twin, a, b, ids, miss, positions, inv_freq, scaling, rotary, interleaved)
+    assert torch.equal(got, twin)
 
     query, keys, values, valid, scaling, softcap, sinks = sample("attend_parts", "cpu")
     want = attend_parts_twin(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))

@@ -34,9 +34,11 @@ KERNELS: dict[str, tuple[str, str]] = {
     # ShadowKV's chunk scores from the landmark GEMM's output as it lies: softmax, group max, mask.
     "landmark_scores": ("shadowkv_cache.ops.landmark_scores", "landmark_scores_reference"),
     "quantize_higgs": ("shadowkv_cache.ops.quantize_higgs", "quantize_vectors_reference"),
-    # The missed slots' keys: A·B on tensor cores and RoPE in one kernel, or RoPE after a batched GEMM of every
-    # slot; `rebuild_keys` defines the rebuilt keys.
+    # RoPE of the missed slots after a batched GEMM of every slot (keys `rebuild_missed` does not take);
+    # `rebuild_keys` defines the rebuilt keys.
     "rebuild_keys": ("shadowkv_cache.ops.rebuild_keys", "rebuild_keys"),
+    # The missed slots' keys in one kernel: rows of A gathered, A·B on tensor cores, RoPE.
+    "rebuild_missed": ("shadowkv_cache.ops.rebuild_missed", "rebuild_missed_reference"),
     # `code_scores` on tensor cores (one pass over the codes, then the scores from its fp16 exponentials), or the fp32
     # kernel's logits and per-tile states, whose second pass is `softmax_group_max`; either way the twin's scores.
     "score_codes": ("shadowkv_cache.ops.score_codes", "code_scores_reference"),
@@ -56,7 +58,7 @@ OPERATORS: dict[str, tuple[str, ...]] = {
     "landmark_logits_int8": ("landmark_logits",),
     "landmark_scores": ("landmark_scores",),
     "quantize_higgs": ("quantize_higgs",),
-    "rebuild_missed": ("rebuild_keys",),
+    "rebuild_missed": ("rebuild_missed",),
     "rope_missed": ("rebuild_keys",),
     "select_topk": ("select_topk",),
     "temporal_scan": ("temporal_scan",),

@@ -1,0 +1,142 @@
+"""The missed slots' keys in one kernel: rows of A gathered, multiplied by B on tensor cores, RoPE (ShadowKV §3.3).
+
+Legend: B batch, Hkv KV heads, Tc compressed tokens, R rank, D head dim, c chunk size, K slots.
+
+`rebuild_missed_reference` is the definition: every slot's product `A·B` in the keys' dtype, then RoPE at the missed
+slots (the same keys as `rebuild_keys.rebuild_keys`). `kernels/rebuild_missed.cu` computes only the misses, for 16-bit
+keys of head size 64, 128 or 256 on sm_80+; `rebuild_keys.rebuild_missed_keys` chooses it where `fused_fits`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .key_rope import RopeLayout, rope_into_missed, rope_reference, slot_products
+from .library import define_op
+from .loader import load_kernels, multiprocessors
+
+__all__ = ["fused_fits", "rebuild_missed_op", "rebuild_missed_reference"]
+
+# The fused kernel (`rebuild_missed_*`): tensor cores of sm_80+, compiled for these head sizes.
+_FUSED_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FUSED_HEAD_DIMS = (64, 128, 256)
+_FUSED_THREADS, _FUSED_PAD = 256, 8  # REBUILD_THREADS and REBUILD_PAD in the kernel
+# Grid (B*Hkv, splits): a head's slots are split over blocks until there are this many blocks per SM, each with at
+# least `_MIN_SLOTS_PER_BLOCK` slots (every block stages its head's B, so smaller splits mostly re-read B).
+_FUSED_BLOCKS_PER_SM, _MIN_SLOTS_PER_BLOCK = 2, 32
+
+
+def _fused_shared_bytes(dim: int, rank: int, slots_per_block: int) -> int:
+    """`rebuild_shared_bytes` of the kernel: B of a head, a 16-row tile per warp (rows of A, then products), the
+    block's missed slots."""
+    rank16 = -(-rank // 16) * 16
+    tile = 16 * (max(rank16, dim) + _FUSED_PAD)
+    return 2 * dim * (rank16 + _FUSED_PAD) + 2 * (_FUSED_THREADS // 32) * tile + 4 * slots_per_block
+
+
+def _aligned_rows(t: torch.Tensor, strides: tuple[int, ...], width: int) -> bool:
+    """Whether rows of `width` elements starting at `t`'s data plus any combination of `strides` are 16-byte aligned
+    and hold whole 16-byte groups (the kernel's vector loads)."""
+    per = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and width % per == 0 and all(stride % per == 0 for stride in strides)
+
+
+def _slots_per_block(device: torch.device, rows: int, num_slots: int) -> int:
+    want = -(-int(_FUSED_BLOCKS_PER_SM * multiprocessors(device)) // max(rows, 1))  # splits per (row, head)
+    splits = max(1, min(want, num_slots // _MIN_SLOTS_PER_BLOCK))
+    return -(-num_slots // splits)
+
+
+def fused_fits(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The fused kernel takes 16-bit keys of a compiled head size on sm_80+, A and B in the keys' dtype with unit
+    stride over the rank and the head dim, and B of a head within the device's shared memory."""
+    batch, heads, num_slots, _, dim = keys.shape
+    if keys.dtype not in _FUSED_DTYPES or dim not in _FUSED_HEAD_DIMS or a.stride(-1) != 1 or b.stride(-1) != 1:
+        return False
+    if torch.cuda.get_device_capability(keys.device) < (8, 0):
+        return False
+    spb = _slots_per_block(keys.device, batch * heads, num_slots)
+    return _fused_shared_bytes(dim, a.shape[-1], spb) <= _max_shared_bytes(keys.device)
+
+
+@functools.cache
+def _max_shared_bytes_of(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
+
+def _max_shared_bytes(device: torch.device) -> int:
+    return _max_shared_bytes_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rebuild_missed_reference(
+    keys: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """The PyTorch twin: every slot's product (`slot_products`, in the keys' dtype), then the RoPE the kernel computes
+    (`rope_reference`) at each missed slot's chunk positions, written where `miss`."""
+    layout = RopeLayout(rotary_dim, interleaved)
+    rope_into_missed(
+        keys, slot_products(ids, a, b, keys.shape[3]), ids, miss, positions,
+        lambda k, p: rope_reference(k, p, inv_freq, attention_scaling, layout),
+    )  # fmt: skip
+
+
+@define_op(
+    "rebuild_missed(Tensor(a!) keys, Tensor a, Tensor b, Tensor ids, Tensor miss, Tensor positions, Tensor inv_freq, "
+    "float attention_scaling, int rotary_dim, bool interleaved) -> ()",
+    cpu=rebuild_missed_reference,
+    fake=lambda *args: None,
+)
+def rebuild_missed_op(
+    keys: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """`torch.ops.shadowkv.rebuild_missed`: the missed slots' keys `[B, Hkv, K, c, D]` (contiguous, bf16 or fp16,
+    D of 64, 128 or 256) from `a` `[B, Tc, R]` and `b` `[B, R, Hkv, D]` (unit stride over R and D; rows may be
+    stride-0 views of one document) in one kernel: the products on tensor cores, rounded to the keys' dtype, then
+    RoPE as `rope_missed`; `ids`, `miss` contiguous, the rest as `rope_missed`."""
+    batch, heads, num_slots, c, dim = keys.shape
+    rank = a.shape[-1]
+    rows = batch * heads
+    if not rows or not num_slots:
+        return
+    spb = _slots_per_block(keys.device, rows, num_slots)
+    shared = _fused_shared_bytes(dim, rank, spb)
+    vec = int(_aligned_rows(a, (a.stride(0), a.stride(1)), rank))
+    vec |= 2 * int(_aligned_rows(b, (b.stride(0), b.stride(1), b.stride(2)), dim))
+    vec |= 4 * int(_aligned_rows(keys, (), dim))
+    name = f"rebuild_missed_{_FUSED_DTYPES[keys.dtype]}_d{dim}"
+    kernels = load_kernels("rebuild_missed", keys.device)
+    kernels.set_max_dynamic_shared(name, shared)
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    kernels.launch(
+        name,
+        grid=(rows, -(-num_slots // spb), 1),
+        block=(_FUSED_THREADS, 1, 1),
+        args=[
+            keys, a, (a.stride(0), i64), (a.stride(1), i64), b, (b.stride(0), i64), (b.stride(1), i64),
+            (b.stride(2), i64), ids, miss, positions, (positions.stride(0), i64), inv_freq,
+            (attention_scaling, ctypes.c_float), (rotary_dim, i32), (int(interleaved), i32), (heads, i32),
+            (num_slots, i32), (c, i32), (rank, i32), (spb, i32), (vec, i32),
+        ],
+        shared_bytes=shared,
+    )  # fmt: skip
