@@ -53,6 +53,7 @@ from benchmarks.throughput_sweeps import (
     yakv_sweeps,
 )
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.ops import gather_values
 from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 
 # The YAKV sweep's hit rate: between what Gemma 3 (0.50-0.52) and SmolLM2 (0.59-0.79) measured at YAKV's 128K budget
@@ -88,10 +89,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
+    p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
+                   help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
     p.add_argument("--replot", metavar="NAME", help="recompute the summary and plot of results/NAME.json, no run")
     p.add_argument("--note", help="with --replot: a note stored in the record's environment")
     add_results_dir_option(p)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.fetch_blocks_per_sm is not None:
+        if args.fetch_blocks_per_sm <= 0:
+            p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
+        gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
+    return args
 
 
 def main() -> None:
