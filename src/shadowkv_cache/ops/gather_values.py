@@ -33,12 +33,11 @@ _SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting i
 # Blocks of 128 threads per SM at most, for the kernels that keep enough PCIe reads in flight with a few blocks: the
 # native copy (a block reads a whole chunk with one 16-byte load per thread) and the higgs4 warp kernel (each warp
 # reads its next slot while it decodes the current one). Half a block per SM gave the shortest batch-32 step at 128K
-# on an H200 machine while the key rebuild beside it was a GEMM over every slot (docs/results.md). With the fused
-# rebuild (one short kernel over the misses) the fetch is the longer of the two, and at batch 32, 128K the step took
-# 49.4, 46.2 and 44.6 ms with 0.5, 1 and 2 blocks per SM (`profile_decode.py --fetch-blocks-per-sm`, one run each).
-# The fp8 kernel and the general higgs4 kernel read a slot's scales, wait at a barrier, then read its codes: two round
-# trips per slot, so they keep one block per slot (not re-measured).
-FETCH_BLOCKS_PER_SM = 2
+# on an H200 machine (docs/results.md). With the fused key rebuild beside it, half a block still beat two at the best
+# batch: 692.4 against 630.1 tok/s at batch 44, 128K (`throughput_cuda_128k_b44_fetch05` and
+# `throughput_cuda_128k_b44_fetch2`). The fp8 kernel and the general higgs4 kernel read a slot's scales, wait at a
+# barrier, then read its codes: two round trips per slot, so they keep one block per slot (not re-measured).
+FETCH_BLOCKS_PER_SM = 0.5
 HIGGS_WARPS_PER_BLOCK = 4  # the higgs4 warp kernel's block: at most 8 warps (its launch bounds)
 
 
