@@ -49,7 +49,8 @@ __device__ __forceinline__ void rope_missed_impl(T* keys, const T* pre, const lo
     for (long long sh = (long long)blockIdx.x * (ROPE_THREADS / 32) + (threadIdx.x >> 5); sh < total; sh += warps) {
         if (!miss[sh]) continue;  // the same for the whole warp
         const long long row = sh / ((long long)Hkv * K);
-        const long long first = ids[sh] * c;  // first compressed token of the chunk
+        // The chunk's first compressed token; an empty slot reads chunk 0, as the twin does.
+        const long long first = max(ids[sh], 0LL) * c;
         const T* src = pre + sh * (long long)c * D;
         T* out = keys + sh * (long long)c * D;
         const long long* pos = positions + row * pos_row_stride + first;

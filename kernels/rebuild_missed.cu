@@ -4,11 +4,12 @@
 // Legend: B batch, Hkv KV heads, K slots, c chunk size, D head dim, Tc compressed tokens, R rank.
 //
 // rebuild_keys.cu's path multiplies every slot's rows of A by B (hits too: 60% of the work at h = 0.6), through a
-// gathered copy of those rows and a copy of the products in HBM, then reads the products back for RoPE. At batch 32 and 128K
-// on an H200 machine the gather, the GEMM and the RoPE took 3.1, 3.8 and 5.5 ms of a 57.5 ms step's device time
-// (`decode_profile_128k_batch32`). Here each block gathers the rows of A of its head's missed slots itself, multiplies
-// them on tensor cores (m16n8k16, fp32 sums) by that head's B, staged once in shared memory, rounds the products to
-// the keys' dtype (as the GEMM stored them) and applies RoPE from a per-warp tile: nothing but the keys is written.
+// gathered copy of those rows and a copy of the products in HBM, then reads the products back for RoPE. At batch 32
+// and 128K on an H200 machine the gather, the GEMM and the RoPE took 3.1, 3.8 and 5.5 ms of a 57.5 ms step's device
+// time (`decode_profile_128k_batch32`). Here each block gathers the rows of A of its head's missed slots itself,
+// multiplies them on tensor cores (m16n8k16, fp32 sums) by that head's B, staged once in shared memory, rounds the
+// products to the keys' dtype (as the GEMM stored them) and applies RoPE from a per-warp tile: nothing but the keys
+// is written.
 
 #include "common.cuh"
 
@@ -174,9 +175,9 @@ __device__ __forceinline__ void rebuild_missed_impl(T* keys, const T* a, long lo
             }
         }
         __syncwarp();
-        // RoPE in place, as rebuild_keys.cu's rope_missed computes it. Lane l rotates row l % 16, pairs l / 16, l / 16 + 2, ...: the
-        // few pairs whose angle takes sincosf's slow path (the highest frequencies at large positions) fall on
-        // every lane once, instead of on the same lanes for each of the 16 rows.
+        // RoPE in place, as rebuild_keys.cu's rope_missed computes it. Lane l rotates row l % 16, pairs l / 16,
+        // l / 16 + 2, ...: the few pairs whose angle takes sincosf's slow path (the highest frequencies at large
+        // positions) fall on every lane once, instead of on the same lanes for each of the 16 rows.
         {
             const float p = __shfl_sync(0xffffffffu, pos, lane & 15);
             T* x = tile + (lane & 15) * ldt;

@@ -204,6 +204,7 @@ def test_fused_rebuild_gives_the_gemm_paths_keys(dtype, dim, rank, c, rotary, in
     ids = ids.view(batch, heads, slots).to(CUDA)
     ids[0, 0, 1] = -1  # an empty slot that misses reads chunk 0, as the twin does
     miss = (torch.rand(batch, heads, slots, generator=gen) < 0.4).to(CUDA)
+    miss[0, 0, 1] = True
     inv_freq = (10000.0 ** -(torch.arange(0, rotary, 2) / max(rotary, 1))).float() if rotary else torch.zeros(1)
     inv_freq = inv_freq.to(CUDA)
     before = torch.randn(batch, heads, slots, c, dim, generator=gen).to(CUDA, dtype)
@@ -216,6 +217,26 @@ def test_fused_rebuild_gives_the_gemm_paths_keys(dtype, dim, rank, c, rotary, in
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * pre.float().abs().amax().item()
     torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
     assert got.eq(want).float().mean().item() > 0.9
+
+
+def test_fused_rebuild_operator_refuses_what_its_kernel_cannot_read():
+    """Mixed dtypes, a head size it is not compiled for, or a strided key buffer: an error naming the problem, not
+    keys written from the wrong bytes or to the wrong places."""
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.zeros(2, 2, 4, 8, 64, device=CUDA, dtype=torch.bfloat16)
+    a = torch.randn(2, 80, 16, generator=gen).to(CUDA, torch.bfloat16)
+    b = torch.randn(2, 16, 2, 64, generator=gen).to(CUDA, torch.bfloat16)
+    ids = torch.zeros(2, 2, 4, dtype=torch.int64, device=CUDA)
+    miss = torch.ones(2, 2, 4, dtype=torch.bool, device=CUDA)
+    positions = torch.arange(80, device=CUDA)[None].expand(2, -1)
+    rest = (ids, miss, positions, torch.ones(32, device=CUDA), 1.0, 64, False)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        rebuild_missed_op.rebuild_missed_op(keys, a.half(), b, *rest)
+    with pytest.raises(RuntimeError, match="head dims"):
+        rebuild_missed_op.rebuild_missed_op(keys[..., :32], a, b[..., :32], *rest)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        rebuild_missed_op.rebuild_missed_op(keys.transpose(0, 1), a, b, *rest)
+    assert not keys.any()
 
 
 def test_fused_rebuild_splits_a_heads_slots_over_blocks(monkeypatch):

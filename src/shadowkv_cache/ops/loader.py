@@ -185,7 +185,7 @@ class Kernels:
             cubin = cubin_for(stem, _device_arch(device), defines=defines)
             self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({stem})")
         self._functions: dict[str, object] = {}
-        self._max_shared: dict[str, int] = {}  # dynamic shared memory each function was allowed beyond 48 KiB
+        self._max_shared: dict[str, int] = {}  # dynamic shared memory each function was allowed
 
     def function(self, name: str):
         fn = self._functions.get(name)
@@ -195,8 +195,9 @@ class Kernels:
         return fn
 
     def set_max_dynamic_shared(self, name: str, nbytes: int) -> None:
-        """Let `name` take `nbytes` of dynamic shared memory (a driver call only when that raises the limit)."""
-        if nbytes <= self._max_shared.get(name, 48 * 1024):
+        """Let `name` take `nbytes` of dynamic shared memory: a driver call only when that raises the limit set before
+        (the first call always sets it, since the default limit also counts the kernel's static shared memory)."""
+        if nbytes <= self._max_shared.get(name, -1):
             return
         attr = self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         with torch.cuda.device(self.device):

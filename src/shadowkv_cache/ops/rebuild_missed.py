@@ -27,6 +27,7 @@ _FUSED_THREADS, _FUSED_PAD = 256, 8  # REBUILD_THREADS and REBUILD_PAD in the ke
 # Grid (B*Hkv, splits): a head's slots are split over blocks until there are this many blocks per SM, each with at
 # least `_MIN_SLOTS_PER_BLOCK` slots (every block stages its head's B, so smaller splits mostly re-read B).
 _FUSED_BLOCKS_PER_SM, _MIN_SLOTS_PER_BLOCK = 2, 32
+_STATIC_SHARED = 64  # the kernel's own shared memory (its warp counts, 32 bytes), with room to spare
 
 
 def _fused_shared_bytes(dim: int, rank: int, slots_per_block: int) -> int:
@@ -53,13 +54,26 @@ def _slots_per_block(device: torch.device, rows: int, num_slots: int) -> int:
 def fused_fits(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """The fused kernel takes 16-bit keys of a compiled head size on sm_80+, A and B in the keys' dtype with unit
     stride over the rank and the head dim, and B of a head within the device's shared memory."""
+    return _refusal(keys, a, b) is None
+
+
+def _refusal(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these keys and factors, or None."""
     batch, heads, num_slots, _, dim = keys.shape
-    if keys.dtype not in _FUSED_DTYPES or dim not in _FUSED_HEAD_DIMS or a.stride(-1) != 1 or b.stride(-1) != 1:
-        return False
-    if torch.cuda.get_device_capability(keys.device) < (8, 0):
-        return False
-    spb = _slots_per_block(keys.device, batch * heads, num_slots)
-    return _fused_shared_bytes(dim, a.shape[-1], spb) <= _max_shared_bytes(keys.device)
+    if keys.dtype not in _FUSED_DTYPES or not a.dtype == b.dtype == keys.dtype:
+        return f"keys, a and b must share one dtype of {list(_FUSED_DTYPES)}, got {keys.dtype}, {a.dtype}, {b.dtype}"
+    if dim not in _FUSED_HEAD_DIMS:
+        return f"the kernel is compiled for head dims {_FUSED_HEAD_DIMS}, got {dim}"
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        return "a and b need unit stride over the rank and the head dim"
+    if keys.is_cuda and torch.cuda.get_device_capability(keys.device) < (8, 0):
+        return "the kernel's tensor-core MMAs need sm_80 or newer"
+    if keys.is_cuda:
+        spb = _slots_per_block(keys.device, batch * heads, num_slots)
+        need = _fused_shared_bytes(dim, a.shape[-1], spb) + _STATIC_SHARED
+        if need > _max_shared_bytes(keys.device):
+            return f"B of a head needs {need} bytes of shared memory, more than the device gives a block"
+    return None
 
 
 @functools.cache
@@ -114,6 +128,11 @@ def rebuild_missed_op(
     D of 64, 128 or 256) from `a` `[B, Tc, R]` and `b` `[B, R, Hkv, D]` (unit stride over R and D; rows may be
     stride-0 views of one document) in one kernel: the products on tensor cores, rounded to the keys' dtype, then
     RoPE as `rope_missed`; `ids`, `miss` contiguous, the rest as `rope_missed`."""
+    refusal = _refusal(keys, a, b)
+    torch._check(refusal is None, lambda: f"the rebuild_missed operator: {refusal}")
+    contiguous = keys.is_contiguous() and ids.is_contiguous() and miss.is_contiguous()
+    torch._check(contiguous, lambda: "the rebuild_missed operator needs keys, ids and miss contiguous")
+    torch._check(positions.stride(-1) == 1, lambda: "the rebuild_missed operator needs positions of unit stride")
     batch, heads, num_slots, c, dim = keys.shape
     rank = a.shape[-1]
     rows = batch * heads

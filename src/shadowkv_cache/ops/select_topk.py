@@ -16,7 +16,7 @@ import torch
 from .library import define_op
 from .loader import kernels_available, load_kernels
 
-__all__ = ["MAX_K", "REGISTER_ROW", "select_topk", "select_topk_op", "select_topk_reference"]
+__all__ = ["MAX_K", "REGISTER_ROW", "kernel_fits", "select_topk", "select_topk_op", "select_topk_reference"]
 
 MAX_K = 2048  # TOPK_MAX_K in the kernel
 _THREADS = 1024  # TOPK_THREADS in the kernel
@@ -44,19 +44,22 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"select_topk: k={k} must be between 0 and the {n} scores per row.")
-    if not _kernel_fits(scores, k):
+    if not kernel_fits(scores, k):
         return select_topk_reference(scores, k)
     return select_topk_op(scores, k)
 
 
-def _kernel_fits(scores: torch.Tensor, k: int) -> bool:
+def kernel_fits(scores: torch.Tensor, k: int) -> bool:
+    """fp32 scores on a CUDA device with kernels and sm_70+ (the kernel's `__match_any_sync`), `1 <= k <= 2048`, rows
+    of fewer than 2^31 - 1024 scores (the kernel counts them in int), at most the grid's rows."""
     rows = scores.numel() // max(scores.shape[-1], 1)
     return (
         kernels_available(scores.device)
         and scores.dtype == torch.float32
         and 0 < k <= min(scores.shape[-1], MAX_K)
         and 0 < rows <= _MAX_ROWS
-        and scores.shape[-1] < 2**31
+        and scores.shape[-1] < 2**31 - _THREADS
+        and torch.cuda.get_device_capability(scores.device) >= (7, 0)
     )
 
 

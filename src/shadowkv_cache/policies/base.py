@@ -13,8 +13,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..ops.loader import kernels_available
-from ..ops.select_topk import MAX_K, REGISTER_ROW, select_topk
+from ..ops.select_topk import REGISTER_ROW, kernel_fits, select_topk
 
 __all__ = ["SelectionPolicy", "best_indices", "grouped_query"]
 
@@ -37,8 +36,7 @@ def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     kernel (`ops/select_topk.py`: equal scores by ascending index); otherwise few rows shorter than torch.topk's
     multi-block size go through `two_stage_topk`."""
     n = scores.shape[-1]
-    kernel_sized = 0 < k <= min(n, MAX_K) and n <= REGISTER_ROW and scores.dtype == torch.float32
-    if kernel_sized and kernels_available(scores.device):
+    if n <= REGISTER_ROW and kernel_fits(scores, k):
         return select_topk(scores, k)
     rows = scores.numel() // max(n, 1)
     part = 4 * k
