@@ -139,6 +139,25 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
     m = hi;
 }
 
+// ---- RoPE of one rotation pair (rebuild_keys.cu, rebuild_missed.cu) -------------------------------------------------
+
+/// \brief Rotate pair `i` of one head row `x` at position `p` into `y` (which may be `x`), as `rope_reference` in
+/// ops/key_rope.py defines it: cos/sin in fp32 of `p * inv_freq[i]`, times `attention_scaling`, one rounding to T.
+/// Rotate-half pairs dims (i, i + half); `interleaved` pairs (2i, 2i + 1).
+template <typename T>
+__device__ __forceinline__ void rope_pair(const T* x, T* y, int i, int half, int interleaved, float p,
+                                          const float* inv_freq, float attention_scaling) {
+    const int d0 = interleaved ? 2 * i : i, d1 = interleaved ? 2 * i + 1 : i + half;
+    float sn, cs;
+    sincosf(p * inv_freq[i], &sn, &cs);
+    const float x0 = to_f32(x[d0]), x1 = to_f32(x[d1]);
+    const float c_ = cs * attention_scaling, s_ = sn * attention_scaling;
+    // Spelled out: the fused multiply-add takes the element's own term, as the twin's rounding expects and as the
+    // compiler chose for the element-wise kernel the first of these kernels replaced.
+    y[d0] = from_f32<T>(__fmaf_rn(x0, c_, __fmul_rn(-x1, s_)));
+    y[d1] = from_f32<T>(__fmaf_rn(x1, c_, __fmul_rn(x0, s_)));
+}
+
 // ---- Walsh-Hadamard transform across a warp (gather_dequant.cu, gather_values.cu) ----------------------------------
 
 /// \brief Unnormalised Walsh-Hadamard transform (natural order) of vectors of `lanes * EPL` coordinates, each held

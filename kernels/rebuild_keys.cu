@@ -58,17 +58,7 @@ __device__ __forceinline__ void rope_missed_impl(T* keys, const T* pre, const lo
             const T* x = src + (long long)t * D;
             T* y = out + (long long)t * D;
             const float p = (float)pos[t];
-            for (int i = lane; i < half; i += 32) {
-                const int d0 = interleaved ? 2 * i : i, d1 = interleaved ? 2 * i + 1 : i + half;
-                float sn, cs;
-                sincosf(p * inv_freq[i], &sn, &cs);
-                const float x0 = to_f32(x[d0]), x1 = to_f32(x[d1]);
-                const float c_ = cs * attention_scaling, s_ = sn * attention_scaling;
-                // Spelled out: the fused multiply-add takes the element's own term, as the twin's rounding expects
-                // and as the compiler chose for the element-wise kernel this replaced.
-                y[d0] = from_f32<T>(__fmaf_rn(x0, c_, __fmul_rn(-x1, s_)));
-                y[d1] = from_f32<T>(__fmaf_rn(x1, c_, __fmul_rn(x0, s_)));
-            }
+            for (int i = lane; i < half; i += 32) rope_pair(x, y, i, half, interleaved, p, inv_freq, attention_scaling);
             for (int d = rotary_dim + lane; d < D; d += 32) y[d] = x[d];  // past the rotated dims: as they are
         }
     }

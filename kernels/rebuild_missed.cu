@@ -181,15 +181,8 @@ __device__ __forceinline__ void rebuild_missed_impl(T* keys, const T* a, long lo
         {
             const float p = __shfl_sync(0xffffffffu, pos, lane & 15);
             T* x = tile + (lane & 15) * ldt;
-            for (int i = lane >> 4; i < half; i += 2) {
-                const int d0 = interleaved ? 2 * i : i, d1 = interleaved ? 2 * i + 1 : i + half;
-                float sn, cs;
-                sincosf(p * inv_freq[i], &sn, &cs);
-                const float x0 = to_f32(x[d0]), x1 = to_f32(x[d1]);
-                const float c_ = cs * attention_scaling, s_ = sn * attention_scaling;
-                x[d0] = from_f32<T>(__fmaf_rn(x0, c_, __fmul_rn(-x1, s_)));
-                x[d1] = from_f32<T>(__fmaf_rn(x1, c_, __fmul_rn(x0, s_)));
-            }
+            for (int i = lane >> 4; i < half; i += 2)
+                rope_pair(x, x, i, half, interleaved, p, inv_freq, attention_scaling);
         }
         __syncwarp();
         // The tile's rows to their slots (dims past the rotated ones as the products left them).
