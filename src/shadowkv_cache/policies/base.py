@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..ops.select_topk import REGISTER_ROW, kernel_fits, select_topk
+from ..ops.select_topk import REGISTER_ROW, kernel_fits, select_topk_op
 
 __all__ = ["SelectionPolicy", "best_indices", "grouped_query"]
 
@@ -37,7 +37,7 @@ def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     multi-block size go through `two_stage_topk`."""
     n = scores.shape[-1]
     if n <= REGISTER_ROW and kernel_fits(scores, k):
-        return select_topk(scores, k)
+        return select_topk_op(scores, k)  # `select_topk` would ask `kernel_fits` again
     rows = scores.numel() // max(n, 1)
     part = 4 * k
     if scores.is_cuda and k > 0 and 0 < rows <= _FEW_ROWS and 2 * part <= n < _SHORT_ROW:
