@@ -38,6 +38,7 @@ __all__ = [
     "host_device_pointer",
     "kernels_available",
     "load_kernels",
+    "max_shared_bytes",
     "multiprocessors",
     "source_dir",
     "strided_grid",
@@ -316,6 +317,16 @@ def strided_grid(device: torch.device, blocks: int, per_sm: float) -> tuple[int,
     return (max(1, min(blocks, int(per_sm * multiprocessors(device)))), 1, 1)
 
 
+def max_shared_bytes(device: torch.device) -> int:
+    """The dynamic shared memory a block may opt into on CUDA `device` (no index: the current one)."""
+    return _max_shared_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _max_shared_bytes(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)

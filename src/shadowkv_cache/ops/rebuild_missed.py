@@ -10,13 +10,12 @@ keys of head size 64, 128 or 256 on sm_80+; `rebuild_keys.rebuild_missed_keys` c
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from .key_rope import RopeLayout, rope_into_missed, rope_reference, slot_products
 from .library import define_op
-from .loader import load_kernels, multiprocessors
+from .loader import load_kernels, max_shared_bytes, multiprocessors
 
 __all__ = ["fused_fits", "rebuild_missed_op", "rebuild_missed_reference"]
 
@@ -71,18 +70,9 @@ def _refusal(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str | None
     if keys.is_cuda:
         spb = _slots_per_block(keys.device, batch * heads, num_slots)
         need = _fused_shared_bytes(dim, a.shape[-1], spb) + _STATIC_SHARED
-        if need > _max_shared_bytes(keys.device):
+        if need > max_shared_bytes(keys.device):
             return f"B of a head needs {need} bytes of shared memory, more than the device gives a block"
     return None
-
-
-@functools.cache
-def _max_shared_bytes_of(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
-
-
-def _max_shared_bytes(device: torch.device) -> int:
-    return _max_shared_bytes_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def rebuild_missed_reference(
