@@ -508,20 +508,53 @@ def test_attend_parts_kernel_declines_what_it_cannot_serve(monkeypatch):
     assert not op._kernel_fits(*case(group=9), NO_TERMS)
 
 
-def test_landmark_scores_kernel_serves_one_token_steps_with_enough_rows(monkeypatch):
-    """The scores kernel runs one block per (row, KV head): fewer than half the SMs' worth run the twin (PyTorch splits
-    each row over many blocks), as do several query tokens, more than 16 query heads per KV head and a strided mask."""
+def test_landmark_scores_kernel_serves_every_one_token_step_it_can_read(monkeypatch):
+    """The scores kernel splits each (row, KV head) over blocks, so it serves batch 1 as well as large batches; several
+    query tokens, more than 16 query heads per KV head, a strided mask and no chunks run the twin."""
     from shadowkv_cache.ops import landmark_scores as op
 
     monkeypatch.setattr(op, "kernels_available", lambda device: True)
-    monkeypatch.setattr(op, "multiprocessors", lambda device: 132)
 
     def fits(batch=32, heads=8, group=4, tokens=1, chunks=100, strided_mask=False):
         logits = torch.zeros(batch, heads, group, tokens, chunks, dtype=torch.bfloat16)  # shapes, strides, dtypes only
         selectable = torch.ones(batch, heads, 2 * chunks if strided_mask else chunks, dtype=torch.bool)
         return op._kernel_fits(logits, selectable[..., ::2] if strided_mask else selectable)
 
-    assert fits() and fits(batch=9) and fits(batch=66, heads=1)
-    assert not fits(batch=1) and not fits(batch=8) and not fits(batch=65, heads=1)
+    assert fits() and fits(batch=1) and fits(batch=1, heads=1) and fits(group=16)
     assert not fits(tokens=2) and not fits(group=17) and not fits(strided_mask=True) and not fits(chunks=0)
-    assert fits(group=16)
+
+
+def test_landmark_scores_grid_splits_a_row_head_only_while_the_gpu_is_short_of_blocks():
+    from shadowkv_cache.ops import landmark_scores as op
+
+    rounds = op._THREADS * op._UNROLL  # the chunks one block reads in its first round
+    assert op._splits(1, 8, 16384, 132) == 16384 // rounds  # batch 1: as many as have a round of chunks each
+    assert op._splits(1, 8, 1000, 132) == -(-1000 // rounds)
+    assert op._splits(4, 8, 16384, 132) == -(-op.BLOCKS_PER_SM * 132 // 32)  # the SMs' worth
+    assert op._splits(44, 8, 16384, 132) == 2 and op._splits(200, 8, 16384, 132) == 1
+    assert op._splits(1, 1, 1, 132) == 1
+
+
+def test_landmark_scores_vector_loads_only_where_a_chunks_logits_lie_aligned_side_by_side():
+    """One 16- or 8-byte load per chunk needs the group's logits adjacent, every row, head and chunk stride a
+    multiple of the load, and the last chunk's load inside the storage."""
+    from shadowkv_cache.ops import landmark_scores as op
+
+    def gemm_output(batch, heads, chunks, width, group, dtype=torch.bfloat16):  # `[B, Hkv, C, width]`, G used
+        return torch.zeros(batch, heads, chunks, width, dtype=dtype)[..., :group].transpose(-1, -2).unsqueeze(3)
+
+    assert op._vector_bytes(gemm_output(2, 8, 100, 8, 4)) == 16  # the padded product (16 bytes per chunk)
+    assert op._vector_bytes(gemm_output(2, 8, 100, 4, 4)) == 8  # the int8 kernel's [B, Hkv, C, G]
+    assert op._vector_bytes(gemm_output(2, 8, 100, 8, 4, torch.float32)) == 16
+    assert op._vector_bytes(gemm_output(2, 8, 100, 8, 7, torch.float32)) == 0  # 28 bytes: one load per logit
+    assert op._vector_bytes(gemm_output(2, 8, 100, 16, 16)) == 0  # 32 bytes
+    assert op._vector_bytes(gemm_output(2, 8, 100, 3, 3)) == 0  # 6-byte chunk stride
+    assert op._vector_bytes(torch.zeros(2, 8, 4, 1, 100, dtype=torch.bfloat16)) == 0  # query heads C apart
+    assert op._vector_bytes(gemm_output(2, 8, 100, 8, 4)[..., 1:]) == 16  # chunk offsets keep the alignment
+    assert op._vector_bytes(gemm_output(2, 8, 100, 9, 4)) == 0  # 18-byte chunk stride
+    # A view whose storage ends at its last logit: a 16-byte load there would read past it.
+    storage = torch.zeros((2 * 8 * 100 - 1) * 8 + 4, dtype=torch.bfloat16)
+    tight = storage.as_strided((2, 8, 4, 1, 100), (8 * 100 * 8, 100 * 8, 1, 1, 8))
+    assert op._vector_bytes(tight) == 8
+    # An offset that breaks the alignment of the first logit.
+    assert op._vector_bytes(storage[1:].as_strided((2, 8, 4, 1, 99), (6400, 800, 1, 1, 8))) == 0

@@ -396,9 +396,9 @@ def test_gather_values_higgs4_warp_kernel_gives_the_block_kernels_bits(monkeypat
 
 
 def landmark_logits_in(layout: str, batch: int, heads: int, group: int, chunks: int, dtype, gen) -> torch.Tensor:
-    """`[B, Hkv, G, 1, C]` logits laid out as the landmark GEMM leaves them: `einsum` (contiguous), `padded` (the
+    """`[B, Hkv, G, 1, C]` logits laid out as the landmark GEMMs leave them: `einsum` (contiguous), `padded` (the
     `[B, Hkv, C, 8k]` product of padded query rows, transposed), `shared` (one document's `[1, Hkv, C, 8k]` product
-    for every row's queries), or `strided` (every dim strided)."""
+    for every row's queries), `chunk_major` (the int8 kernel's `[B, Hkv, C, G]`), or `strided` (every dim strided)."""
     data = lambda *shape: (torch.randn(*shape, generator=gen) * 4).to(dtype).to(CUDA)  # noqa: E731
     rows = -(-group // 8) * 8
     if layout == "einsum":
@@ -409,18 +409,26 @@ def landmark_logits_in(layout: str, batch: int, heads: int, group: int, chunks: 
         rows = -(-(batch * group) // 8) * 8
         product = data(1, heads, chunks, rows)[..., : batch * group].transpose(-1, -2)
         return product.reshape(heads, batch, group, chunks).transpose(0, 1).reshape(batch, heads, group, 1, chunks)
+    if layout == "chunk_major":
+        return data(batch, heads, chunks, group).transpose(-1, -2).unsqueeze(3)
     return data(chunks + 3, group + 1, heads, 2 * batch)[:chunks, :group, :, ::2].permute(3, 2, 1, 0)[:, :, :, None]
 
 
+LANDMARK_LAYOUTS = ["einsum", "padded", "shared", "chunk_major", "strided"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["einsum", "padded", "shared", "strided"])
+@pytest.mark.parametrize("layout", LANDMARK_LAYOUTS)
 @pytest.mark.parametrize(
-    "batch, heads, group, chunks", [(3, 8, 4, 5000), (2, 2, 1, 37), (1, 3, 7, 2049), (2, 1, 16, 300)]
+    "batch, heads, group, chunks", [(3, 8, 4, 5000), (2, 2, 1, 37), (1, 3, 7, 2049), (2, 1, 16, 300), (1, 8, 4, 16)]
 )
-def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group, chunks, monkeypatch):
+@pytest.mark.parametrize("blocks_per_sm", [None, 0])
+def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group, chunks, blocks_per_sm, monkeypatch):
     """The softmax of each query head over the selectable chunks, max over the group, -inf elsewhere, read from the
-    GEMM's output in place: equal to round-off (the sums run in another order), and the same top chunks."""
-    monkeypatch.setattr(landmark_scores_op, "MIN_BLOCKS_PER_SM", 0)  # the kernel even for a few (row, head) pairs
+    GEMM's output in place: equal to round-off (the sums run in another order), and the same top chunks; with each
+    (row, head) split over as many blocks as the chunks allow (the default grid) and over one block (0)."""
+    if blocks_per_sm is not None:
+        monkeypatch.setattr(landmark_scores_op, "BLOCKS_PER_SM", blocks_per_sm)
     gen = torch.Generator().manual_seed(chunks + group)
     logits = landmark_logits_in(layout, batch, heads, group, chunks, dtype, gen)
     assert logits.shape == (batch, heads, group, 1, chunks)
@@ -439,8 +447,22 @@ def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group,
     torch.testing.assert_close(want.gather(-1, picked), want.topk(k, dim=-1).values, rtol=1e-5, atol=1e-9)
 
 
-def test_landmark_scores_kernel_replays_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setattr(landmark_scores_op, "MIN_BLOCKS_PER_SM", 0)
+def test_landmark_scores_cases_cover_every_load_and_grid():
+    """The cases above reach each of the kernel's loads (16- and 8-byte vectors of a chunk's logits, one load per
+    logit) and both grids (one block per (row, head), several)."""
+    gen = torch.Generator().manual_seed(0)
+    modes = {
+        landmark_scores_op._vector_bytes(landmark_logits_in(layout, 2, 2, group, 64, dtype, gen))
+        for layout in LANDMARK_LAYOUTS
+        for group in (1, 4, 7, 16)
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    assert modes == {0, 8, 16}
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    assert landmark_scores_op._splits(3, 8, 5000, sms) > 1 and landmark_scores_op._splits(1, 8, 16, sms) == 1
+
+
+def test_landmark_scores_kernel_replays_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(0)
     logits = landmark_logits_in("padded", 4, 8, 4, 1000, torch.bfloat16, gen)
     selectable = (torch.rand(4, 8, 1000, generator=gen) < 0.5).to(CUDA)

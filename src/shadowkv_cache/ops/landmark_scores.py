@@ -4,11 +4,11 @@ tokens, then the max over each GQA group (ShadowKV §3.2, `policies/landmark_top
 Legend: B batch, Hkv KV heads, G query heads per KV head, T query tokens, C chunks.
 
 `softmax_group_max` is the definition (PyTorch). `landmark_scores` is what selection ranks by: the same, with -inf
-where a chunk is not selectable. On CUDA a one-token step of enough rows runs `kernels/landmark_scores.cu`, which
-reads the logits in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's passes (a
-mask, which also copies the strided view, a conversion to fp32, a softmax, a max and a second mask; with the
-transposed copy the GEMM's output took before, ~8 ms of a 52 ms step at batch 32 and 128K on an H200 machine, 3.1 ms
-with the kernel; `benchmarks/profile_decode.py`); otherwise the twin runs.
+where a chunk is not selectable. On CUDA a one-token step runs `kernels/landmark_scores.cu`, which reads the logits
+in the layout the landmark GEMM wrote them (any strides) twice, instead of the twin's passes (a mask, which also
+copies the strided view, a conversion to fp32, a softmax, a max and a second mask); otherwise the twin runs. The
+kernel splits each (row, KV head)'s chunks over `_splits` blocks, one kernel writing each split's softmax states and
+a second the scores, so a batch-1 step fills the GPU too.
 
 The two differ only on logits that are not finite (fp16 overflow): NaN spreads over a head's scores in both, but a
 head whose selectable logits are all -inf scores -inf in the kernel and 0 in the twin.
@@ -27,12 +27,11 @@ __all__ = ["landmark_scores", "landmark_scores_op", "landmark_scores_reference",
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _MAX_GROUP = 16  # LS_MAX_G in the kernel
-_THREADS = 512  # LS_THREADS in the kernel, which strides and merges warps by it
-# The kernel runs one block per (row, KV head). With fewer of them than this share of the SMs it leaves most of the
-# GPU idle, and PyTorch's kernels, which split each row over many blocks, are faster: on an H200 machine at 128K
-# the kernel took 2.05 ms of a batch-1 step (8 blocks; the twin's kernels ~1 ms) and 3.1 ms of a batch-32 step (256
-# blocks; the twin's ~8 ms), and the steps at batch 8 were within 1% (`decode_profile_128k_batch*`, `throughput.py`).
-MIN_BLOCKS_PER_SM = 0.5
+_THREADS = 256  # LS_THREADS in the kernel, which strides and merges warps by it
+_UNROLL = 2  # the fewest chunks a kernel thread reads per round (ChunkLogits::UNROLL)
+# Blocks of (split, row, KV head) per SM to aim for: enough resident 256-thread blocks that each SM keeps many loads
+# in flight. A (row, head) is split only while the grid is short of this, down to one round of chunks per thread.
+BLOCKS_PER_SM = 4
 
 
 def softmax_group_max(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
@@ -82,38 +81,67 @@ def _scores_like(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor
 
 @define_op("landmark_scores(Tensor logits, Tensor selectable) -> Tensor", cpu=_scores_twin, fake=_scores_like)
 def landmark_scores_op(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
-    """`torch.ops.shadowkv.landmark_scores`: the kernel on what `landmark_scores` checked (one query token)."""
+    """`torch.ops.shadowkv.landmark_scores`: the kernels on what `landmark_scores` checked (one query token)."""
     _one_token(logits)
     batch, heads, group, _, chunks = logits.shape
     selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
+    splits = _splits(batch, heads, chunks, multiprocessors(logits.device))
+    states = torch.empty((batch, heads, splits, group, 2), dtype=torch.float32, device=logits.device)
     lb, lh, lg, _, lc = logits.stride()
     sb, sh, _ = selectable.stride()
-    i64 = ctypes.c_longlong
-    load_kernels("landmark_scores", logits.device).launch(
-        f"landmark_scores_{_KERNEL_DTYPES[logits.dtype]}",
-        grid=(heads, batch, 1),
-        block=(_THREADS, 1, 1),
-        args=[scores, logits, selectable, (lb, i64), (lh, i64), (lg, i64), (lc, i64), (sb, i64), (sh, i64),
-              (heads, ctypes.c_int), (group, ctypes.c_int), (chunks, ctypes.c_int)],
-    )  # fmt: skip
+    i64, i32 = ctypes.c_longlong, ctypes.c_int
+    kernels = load_kernels("landmark_scores", logits.device)
+    suffix = _KERNEL_DTYPES[logits.dtype] + {0: "", 8: "_v8", 16: "_v16"}[_vector_bytes(logits)]
+    strides = [(lb, i64), (lh, i64), (lg, i64), (lc, i64), (sb, i64), (sh, i64)]
+    sizes = [(heads, i32), (group, i32), (chunks, i32), (splits, i32)]
+    grid, block = (splits, heads, batch), (_THREADS, 1, 1)
+    kernels.launch(f"landmark_states_{suffix}", grid=grid, block=block,
+                   args=[states, logits, selectable, *strides, *sizes])  # fmt: skip
+    kernels.launch(f"landmark_scores_{suffix}", grid=grid, block=block,
+                   args=[scores, states, logits, selectable, *strides, *sizes])  # fmt: skip
     return scores
+
+
+def _vector_bytes(logits: torch.Tensor) -> int:
+    """16 or 8 where each chunk's G logits lie side by side in one aligned load of that many bytes (the GEMM's
+    `[B, Hkv, C, G or padded]` output), else 0 (a load per logit)."""
+    batch, heads, group, _, chunks = logits.shape
+    size = logits.element_size()
+    lb, lh, lg, _, lc = logits.stride()
+    if (group > 1 and lg != 1) or lc <= 0 or min(lb, lh) < 0:
+        return 0
+    # The last chunk's load must stay inside the storage (a view may end at its last logit).
+    last = logits.storage_offset() + (batch - 1) * lb + (heads - 1) * lh + (chunks - 1) * lc
+    room = logits.untyped_storage().nbytes() - last * size
+    for vector in (16, 8):
+        strides = [lc] + [stride for stride, n in ((lb, batch), (lh, heads)) if n > 1]
+        if group * size <= vector <= room and all(stride * size % vector == 0 for stride in strides):
+            if logits.data_ptr() % vector == 0:
+                return vector
+    return 0
+
+
+def _splits(batch: int, heads: int, chunks: int, sms: int) -> int:
+    """Blocks per (row, KV head): up to `BLOCKS_PER_SM` blocks per SM over the grid, at least one round of chunks
+    (`_UNROLL` per thread) per block."""
+    most = max(1, -(-chunks // (_THREADS * _UNROLL)))
+    return max(1, min(most, -(-BLOCKS_PER_SM * sms // (batch * heads))))
 
 
 def _kernel_fits(logits: torch.Tensor, selectable: torch.Tensor) -> bool:
     """A one-token step of a known dtype on a CUDA device with kernels, at most 16 query heads per KV head, the
-    chunks of `selectable` contiguous, grid dimensions the device takes, and blocks for `MIN_BLOCKS_PER_SM`."""
+    chunks of `selectable` contiguous, and grid dimensions the device takes."""
     batch, heads, group, steps, chunks = logits.shape
     if not kernels_available(logits.device):
         return False
     return (
-        batch * heads >= MIN_BLOCKS_PER_SM * multiprocessors(logits.device)
-        and steps == 1
+        steps == 1
         and 0 < group <= _MAX_GROUP
         and logits.dtype in _KERNEL_DTYPES
         and selectable.dtype == torch.bool
         and selectable.stride(-1) == 1
-        and chunks > 0
+        and 0 < chunks <= 2**31 - 1
         and 0 < batch <= 65535
-        and heads <= 2**31 - 1
+        and 0 < heads <= 65535
     )
