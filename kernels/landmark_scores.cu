@@ -92,20 +92,20 @@ __device__ __forceinline__ void landmark_states(float2* states, const T* logits,
             ok[u] = c < c1;
             if (ok[u]) load_chunk<T, VB, MAXG>(x[u], lgt + c * lc, lg, G), ok[u] = sel[c];
         }
+        // The round's max first, then its exps side by side: one rescale per round, not a chain of U.
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (!ok[u]) continue;
+        for (int g = 0; g < MAXG; ++g) {
+            if (g >= G) break;
+            float top = m[g];
 #pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g >= G) break;
-                const float v = x[u][g];
-                if (v > m[g]) {  // a new max rescales the sum (exp(-inf) = 0 for the first chunk)
-                    s[g] = s[g] * expf(m[g] - v) + 1.f;
-                    m[g] = v;
-                } else if (v != NEG_INF) {  // -inf adds nothing (and -inf - -inf would be NaN)
-                    s[g] += expf(v - m[g]);
-                }
+            for (int u = 0; u < U; ++u) top = ok[u] && x[u][g] > top ? x[u][g] : top;  // NaN never becomes the max
+            // exp(-inf) = 0 for the first chunk; with no max yet (-inf - -inf would be NaN) only a NaN adds anything.
+            float sum = top == NEG_INF ? s[g] : s[g] * expf(m[g] - top);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (ok[u] && x[u][g] != NEG_INF) sum += expf(x[u][g] - top);  // -inf adds nothing; NaN spreads
             }
+            m[g] = top, s[g] = sum;
         }
     }
     // The block's state of each query head: within each warp by shuffles, then across warps in shared memory.
