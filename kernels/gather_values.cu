@@ -291,6 +291,23 @@ __device__ __forceinline__ void higgs_decode(const HiggsSlot& s, long long sh, T
     }
 }
 
+/// \brief The warp's next missed slot after those it has taken, or `total`: its slots are `first`, `first + warps`,
+/// ...; the lanes read the miss flags of 32 of them at once (`mask` holds those not yet taken, `base` the first).
+/// One round of loads per 32 slots, where a scan slot by slot put a dependent load (two or three at a 60% hit rate)
+/// before every PCIe read.
+__device__ __forceinline__ long long next_missed(long long& base, unsigned int& mask, const bool* miss,
+                                                 long long warps, long long total, int lane) {
+    while (mask == 0u) {  // the same for the whole warp
+        base += 32 * warps;
+        if (base >= total) return total;
+        const long long slot = base + lane * warps;
+        mask = __ballot_sync(0xffffffffu, slot < total && miss[slot]);
+    }
+    const int i = __ffs(mask) - 1;
+    mask &= mask - 1u;
+    return base + i * warps;
+}
+
 /// \brief Warps stride over the slots; what `gather_values_higgs4` computes, for D a power of two in [32, 1024]
 /// and c*D/32 <= 64, 16-byte aligned code blocks and output slots.
 /// Launch: grid (any, 1, 1), block of whole warps (at most 8), no shared memory.
@@ -311,15 +328,16 @@ __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long 
     const int first = 32 * (lane % (D >> 5));
     for (int i = 0; i < 32; ++i) sign_bits |= (signs[first + i] < 0.f ? 1u : 0u) << i;
     const float2* points = reinterpret_cast<const float2*>(grid);
-    while (sh < total && !miss[sh]) sh += warps;
+    long long base = sh - 32 * warps;
+    unsigned int mask = 0u;
+    sh = next_missed(base, mask, miss, warps, total, lane);
     HiggsSlot cur = {}, next = {};
     if (sh < total) {
         higgs_load(cur, sh, ids, host, row_map, row_stride, head_stride, Hkv, K, scales, scale_row_stride,
                    scale_head_stride, c, D, lane);
     }
     while (sh < total) {
-        long long after = sh + warps;
-        while (after < total && !miss[after]) after += warps;
+        const long long after = next_missed(base, mask, miss, warps, total, lane);
         if (after < total) {
             higgs_load(next, after, ids, host, row_map, row_stride, head_stride, Hkv, K, scales, scale_row_stride,
                        scale_head_stride, c, D, lane);

@@ -376,6 +376,28 @@ def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value
         assert torch.equal(got, ref)
 
 
+def test_gather_values_higgs4_warp_kernel_finds_misses_across_empty_windows(monkeypatch):
+    """The warp kernel reads the miss flags of 32 of a warp's slots at a time: with one block (4 warps, 128 slots per
+    round) it still fetches a miss in the first slot, one after windows without a miss and the last slot, and
+    nothing else."""
+    import shadowkv_cache.ops.gather_values as module
+
+    monkeypatch.setattr(module, "FETCH_BLOCKS_PER_SM", 1e-6)
+    data = torch.randn(2, 4, 50, 8, 128)
+    store = HostValueStore.offload(data.to(torch.bfloat16).cuda(), pin=True, value_format="higgs4")
+    store = store.select_rows(torch.tensor([1, 0, 1]))
+    ids = torch.randint(0, 50, (3, 4, 64), device=CUDA)
+    miss = torch.zeros(3, 4, 64, dtype=torch.bool, device=CUDA)
+    miss.view(-1)[[0, 5, 700, 767]] = True  # total 768 slots: six rounds of 128, four of them without a miss
+    got = torch.randn(3, 4, 64, 8, 128, device=CUDA).to(torch.bfloat16)
+    ref = got.clone()
+    gather_values(got, ids, miss, store)
+    gather_values_reference(ref, ids, miss, store)
+    assert torch.equal(got[~miss], ref[~miss])
+    scale = ref.float().abs().amax(-1, keepdim=True)  # the missed slots hold the store's values, not their start
+    assert bool(((got.float() - ref.float()).abs() <= torch.finfo(torch.bfloat16).eps * scale).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("c, dim", [(8, 128), (8, 64), (16, 128), (3, 32), (8, 256)])
 def test_gather_values_higgs4_warp_kernel_gives_the_block_kernels_bits(monkeypatch, dtype, c, dim):
@@ -445,6 +467,23 @@ def test_landmark_scores_kernel_matches_twin(dtype, layout, batch, heads, group,
     picked = got.topk(k, dim=-1).indices
     # The twin's scores of the kernel's picks are the twin's own top scores, up to the same round-off.
     torch.testing.assert_close(want.gather(-1, picked), want.topk(k, dim=-1).values, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["einsum", "padded", "chunk_major"])
+def test_landmark_scores_kernel_spreads_nan_and_skips_minus_infinity_as_the_twin(layout):
+    """A NaN logit makes every selectable score of its KV head NaN, and -inf logits add nothing, in each load."""
+    gen = torch.Generator().manual_seed(5)
+    logits = landmark_logits_in(layout, 2, 4, 4, 3000, torch.bfloat16, gen)
+    selectable = torch.ones(2, 4, 3000, dtype=torch.bool, device=CUDA)
+    logits[0, 1, 2, 0, 1234] = float("nan")
+    logits[1, :, :, 0, ::7] = float("-inf")
+    logits[1, 3, 1, 0, :] = float("-inf")  # a query head whose logits are all -inf: its softmax is NaN in the twin
+    logits[1, 3, 1, 0, 17] = 0.0  # ... unless one is finite
+    got, want = landmark_scores(logits, selectable), landmark_scores_reference(logits, selectable)
+    assert got[0, 1].isnan().all() and want[0, 1].isnan().all()
+    finite = ~want.isnan()
+    assert torch.equal(finite, ~got.isnan())
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-9)
 
 
 def test_landmark_scores_cases_cover_every_load_and_grid():
