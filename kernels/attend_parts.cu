@@ -318,8 +318,12 @@ __device__ __forceinline__ void attend_merge_impl(const float* part_acc, const f
 #define ATTEND_G 4
 #define ATTEND_D 128
 #endif
+// The split kernel's blocks per SM that its registers must allow (ops/attend_parts.py `MIN_BLOCKS`).
+#ifndef ATTEND_MIN_BLOCKS
+#define ATTEND_MIN_BLOCKS 1
+#endif
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, ATTEND_MIN_BLOCKS)
     attend_split(const ATTEND_T* q, long long qb, long long qh, Parts parts, float scaling, float softcap,
                  long long total, long long span, float* part_acc, float* part_ml) {
     attend_split_impl<ATTEND_T, ATTEND_G, ATTEND_D>(q, qb, qh, parts, scaling, softcap, total, span, part_acc,

@@ -29,6 +29,10 @@ _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "
 _MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z sizes (KV heads, rows)
 _BLOCKS_PER_SM = 8  # splits are chosen so that the grid has about this many blocks per multiprocessor
+# Blocks per SM the split kernel's registers must allow (its launch bounds). 1 leaves the compiler free: at G = 4,
+# D = 128 (bf16) it takes 133 registers, so 3 blocks of 128 threads fit an SM; 4 caps it at 128 (14 bytes spilled).
+# `benchmarks/profile_decode.py --attend-min-blocks N` compares.
+MIN_BLOCKS = 1
 
 
 class _Part(ctypes.Structure):
@@ -109,7 +113,12 @@ def attend_parts_op(
     part_acc = torch.empty((batch, heads, splits, group, dim), dtype=torch.float32, device=query.device)
     part_ml = torch.empty((batch, heads, splits, group, 2), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, 1, num_q_heads, dim), dtype=query.dtype, device=query.device)
-    defines = (("ATTEND_T", _KERNEL_DTYPES[query.dtype]), ("ATTEND_G", group), ("ATTEND_D", dim))
+    defines = (
+        ("ATTEND_T", _KERNEL_DTYPES[query.dtype]),
+        ("ATTEND_G", group),
+        ("ATTEND_D", dim),
+        ("ATTEND_MIN_BLOCKS", MIN_BLOCKS),
+    )
     kernels = load_kernels("attend_parts", query.device, defines)
     kernels.launch(
         "attend_split",
