@@ -221,6 +221,11 @@ GATHER_HIGGS4(gather_values_higgs4_f32, float)
 // butterfly stages (distances 1..16) stay in its registers and the rest (32..D/2) pair lanes by shuffles
 // (`warp_hadamard`, common.cuh). No shared memory, no barriers; each warp loads its next missed slot before
 // decoding the current one, so that two PCIe reads per warp are in flight.
+//
+// The scan for a warp's next missed slot reads one flag at a time. Reading 32 flags at once (a ballot) made the fetch
+// slower where it matters: 671 against 712.6 tok/s at 128K, batch 44, with 90 GiB of per-row host values on an H200
+// machine (docs/results.md, "Landmark scores at any batch"). The reads are bound on the host side, and issuing them
+// sooner only queued more of them.
 
 constexpr int HIGGS_WARP_LOADS = 2;  // 16-byte loads per lane and slot at most: c*D/32 <= 64
 
@@ -291,23 +296,6 @@ __device__ __forceinline__ void higgs_decode(const HiggsSlot& s, long long sh, T
     }
 }
 
-/// \brief The warp's next missed slot after those it has taken, or `total`: its slots are `first`, `first + warps`,
-/// ...; the lanes read the miss flags of 32 of them at once (`mask` holds those not yet taken, `base` the first).
-/// One round of loads per 32 slots, where a scan slot by slot put a dependent load (two or three at a 60% hit rate)
-/// before every PCIe read.
-__device__ __forceinline__ long long next_missed(long long& base, unsigned int& mask, const bool* miss,
-                                                 long long warps, long long total, int lane) {
-    while (mask == 0u) {  // the same for the whole warp
-        base += 32 * warps;
-        if (base >= total) return total;
-        const long long slot = base + lane * warps;
-        mask = __ballot_sync(0xffffffffu, slot < total && miss[slot]);
-    }
-    const int i = __ffs(mask) - 1;
-    mask &= mask - 1u;
-    return base + i * warps;
-}
-
 /// \brief Warps stride over the slots; what `gather_values_higgs4` computes, for D a power of two in [32, 1024]
 /// and c*D/32 <= 64, 16-byte aligned code blocks and output slots.
 /// Launch: grid (any, 1, 1), block of whole warps (at most 8), no shared memory.
@@ -328,16 +316,15 @@ __device__ __forceinline__ void gather_values_higgs4_warp(T* values, const long 
     const int first = 32 * (lane % (D >> 5));
     for (int i = 0; i < 32; ++i) sign_bits |= (signs[first + i] < 0.f ? 1u : 0u) << i;
     const float2* points = reinterpret_cast<const float2*>(grid);
-    long long base = sh - 32 * warps;
-    unsigned int mask = 0u;
-    sh = next_missed(base, mask, miss, warps, total, lane);
+    while (sh < total && !miss[sh]) sh += warps;
     HiggsSlot cur = {}, next = {};
     if (sh < total) {
         higgs_load(cur, sh, ids, host, row_map, row_stride, head_stride, Hkv, K, scales, scale_row_stride,
                    scale_head_stride, c, D, lane);
     }
     while (sh < total) {
-        const long long after = next_missed(base, mask, miss, warps, total, lane);
+        long long after = sh + warps;
+        while (after < total && !miss[after]) after += warps;
         if (after < total) {
             higgs_load(next, after, ids, host, row_map, row_stride, head_stride, Hkv, K, scales, scale_row_stride,
                        scale_head_stride, c, D, lane);

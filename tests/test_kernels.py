@@ -376,10 +376,9 @@ def test_gather_values_with_one_block_strides_over_every_slot(monkeypatch, value
         assert torch.equal(got, ref)
 
 
-def test_gather_values_higgs4_warp_kernel_finds_misses_across_empty_windows(monkeypatch):
-    """The warp kernel reads the miss flags of 32 of a warp's slots at a time: with one block (4 warps, 128 slots per
-    round) it still fetches a miss in the first slot, one after windows without a miss and the last slot, and
-    nothing else."""
+def test_gather_values_higgs4_warp_kernel_finds_misses_after_long_runs_of_hits(monkeypatch):
+    """With one block (4 warps), the warp kernel fetches a miss in the first slot, misses after long runs of hits and
+    the last slot, and nothing else."""
     import shadowkv_cache.ops.gather_values as module
 
     monkeypatch.setattr(module, "FETCH_BLOCKS_PER_SM", 1e-6)
@@ -388,7 +387,7 @@ def test_gather_values_higgs4_warp_kernel_finds_misses_across_empty_windows(monk
     store = store.select_rows(torch.tensor([1, 0, 1]))
     ids = torch.randint(0, 50, (3, 4, 64), device=CUDA)
     miss = torch.zeros(3, 4, 64, dtype=torch.bool, device=CUDA)
-    miss.view(-1)[[0, 5, 700, 767]] = True  # total 768 slots: six rounds of 128, four of them without a miss
+    miss.view(-1)[[0, 5, 700, 767]] = True  # of 768 slots
     got = torch.randn(3, 4, 64, 8, 128, device=CUDA).to(torch.bfloat16)
     ref = got.clone()
     gather_values(got, ids, miss, store)
