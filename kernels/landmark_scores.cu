@@ -18,12 +18,16 @@
 #define LS_THREADS 256
 #define LS_MAX_G 16
 
-/// \brief `merge_state` (common.cuh) with the accurate exp: the scores are compared with PyTorch's softmax.
+/// \brief `merge_state` (common.cuh) with the accurate exp: the scores are compared with PyTorch's softmax. A state
+/// with max -inf has a sum of 0, or NaN where a NaN logit was its only other one: added, so that the NaN spreads.
 __device__ __forceinline__ void merge_exact(float& m, float& s, float m2, float s2) {
-    if (m2 == NEG_INF) return;
+    if (m2 == NEG_INF) {
+        s += s2;
+        return;
+    }
     if (m == NEG_INF) {
         m = m2;
-        s = s2;
+        s += s2;
         return;
     }
     const float hi = fmaxf(m, m2);
@@ -175,7 +179,9 @@ __device__ __forceinline__ void landmark_scores(float* scores, const float2* sta
 #pragma unroll
                 for (int g = 0; g < MAXG; ++g) {
                     if (g >= G) break;
-                    const float p = expf(x[u][g] - hm[g]) / hs[g];
+                    // A query head whose selectable logits are all -inf weighs nothing (-inf - -inf would be NaN),
+                    // unless a NaN is among them (its sum is NaN then).
+                    const float p = hm[g] == NEG_INF ? hs[g] * 0.f : expf(x[u][g] - hm[g]) / hs[g];
                     best = (p > best || p != p) ? p : best;  // NaN wins, as in PyTorch's amax (fmaxf would drop it)
                 }
             }

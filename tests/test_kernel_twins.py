@@ -522,6 +522,10 @@ def test_landmark_scores_kernel_serves_every_one_token_step_it_can_read(monkeypa
 
     assert fits() and fits(batch=1) and fits(batch=1, heads=1) and fits(group=16)
     assert not fits(tokens=2) and not fits(group=17) and not fits(strided_mask=True) and not fits(chunks=0)
+    logits = torch.zeros(2, 8, 17, 1, 10, dtype=torch.bfloat16)
+    assert "17 query heads" in op._refusal(logits, torch.ones(2, 8, 10, dtype=torch.bool))
+    assert "dtype" in op._refusal(logits[:, :, :4].int(), torch.ones(2, 8, 10, dtype=torch.bool))
+    assert op._refusal(logits[:, :, :4], torch.ones(2, 8, 10, dtype=torch.bool)) is None
 
 
 def test_landmark_scores_grid_splits_a_row_head_only_while_the_gpu_is_short_of_blocks():

@@ -485,6 +485,43 @@ def test_landmark_scores_kernel_spreads_nan_and_skips_minus_infinity_as_the_twin
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("layout", ["einsum", "padded"])
+def test_landmark_scores_kernel_keeps_a_nan_without_finite_neighbours_and_weighs_an_all_minus_inf_head_zero(layout):
+    """A NaN that is the only logit its thread holds still spreads over the head (the state merges add sums whose max
+    is -inf); a query head whose selectable logits are all -inf weighs 0, as in the twin where some chunk is not
+    selectable, and NaN where one of them is NaN; +inf gives NaN in both."""
+    gen = torch.Generator().manual_seed(7)
+    logits = landmark_logits_in(layout, 4, 2, 2, 64, torch.float16, gen)
+    selectable = torch.ones(4, 2, 64, dtype=torch.bool, device=CUDA)
+    logits[0, 0, :, 0, :] = float("-inf")
+    logits[0, 0, 1, 0, 5] = float("nan")  # row 0, head 0: one NaN among -inf
+    logits[1, 1, 1, 0, :] = float("-inf")  # row 1, head 1: query head 1 all -inf ...
+    selectable[1, 1, 0] = False  # ... with a chunk not selectable
+    logits[2, 0, 0, 0, 40] = float("inf")
+    small = torch.randn(4, 2, 1, 1, 16, generator=gen).to(CUDA)
+    small[3, 1, 0, 0, 9] = float("nan")  # one NaN in 16 chunks: one chunk per thread
+    for case in ((logits, selectable), (small, torch.ones(4, 2, 16, dtype=torch.bool, device=CUDA))):
+        got, want = landmark_scores(*case), landmark_scores_reference(*case)
+        finite = ~want.isnan()
+        assert torch.equal(finite, ~got.isnan())
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-9)
+        assert want.isnan().any()
+    assert landmark_scores(small, torch.ones(4, 2, 16, dtype=torch.bool, device=CUDA))[3, 1].isnan().all()
+
+
+def test_landmark_scores_operator_refuses_what_its_kernels_cannot_read():
+    """More than 16 query heads per KV head, a strided mask or an integer dtype: an error naming the problem, not
+    reads past the kernels' shared memory."""
+    logits = torch.zeros(2, 2, 17, 1, 50, device=CUDA, dtype=torch.bfloat16)
+    selectable = torch.ones(2, 2, 100, dtype=torch.bool, device=CUDA)
+    with pytest.raises(RuntimeError, match="17 query heads"):
+        landmark_scores_op.landmark_scores_op(logits, selectable[..., :50])
+    with pytest.raises(RuntimeError, match="contiguous chunks"):
+        landmark_scores_op.landmark_scores_op(logits[:, :, :4], selectable[..., ::2])
+    with pytest.raises(RuntimeError, match="dtype"):
+        landmark_scores_op.landmark_scores_op(logits[:, :, :4].int(), selectable[..., :50])
+
+
 def test_landmark_scores_cases_cover_every_load_and_grid():
     """The cases above reach each of the kernel's loads (16- and 8-byte vectors of a chunk's logits, one load per
     logit) and both grids (one block per (row, head), several)."""

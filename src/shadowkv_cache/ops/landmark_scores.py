@@ -10,8 +10,9 @@ copies the strided view, a conversion to fp32, a softmax, a max and a second mas
 kernel splits each (row, KV head)'s chunks over `_splits` blocks, one kernel writing each split's softmax states and
 a second the scores, so a batch-1 step fills the GPU too.
 
-The two differ only on logits that are not finite (fp16 overflow): NaN spreads over a head's scores in both, but a
-head whose selectable logits are all -inf scores -inf in the kernel and 0 in the twin.
+The two differ only on logits that are not finite (fp16 overflow), in one case: a NaN logit spreads over its KV
+head's scores in both, and a query head whose selectable logits are all -inf weighs 0 in both, except where every
+chunk is selectable, where the twin's softmax gives NaN.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def _scores_like(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor
 def landmark_scores_op(logits: torch.Tensor, selectable: torch.Tensor) -> torch.Tensor:
     """`torch.ops.shadowkv.landmark_scores`: the kernels on what `landmark_scores` checked (one query token)."""
     _one_token(logits)
+    refusal = _refusal(logits, selectable)
+    torch._check(refusal is None, lambda: f"the landmark_scores operator: {refusal}")
     batch, heads, group, _, chunks = logits.shape
     selectable = selectable.expand(batch, heads, chunks)  # a broadcast mask's rows read with stride 0
     scores = torch.empty((batch, heads, chunks), dtype=torch.float32, device=logits.device)
@@ -130,18 +133,23 @@ def _splits(batch: int, heads: int, chunks: int, sms: int) -> int:
 
 
 def _kernel_fits(logits: torch.Tensor, selectable: torch.Tensor) -> bool:
-    """A one-token step of a known dtype on a CUDA device with kernels, at most 16 query heads per KV head, the
-    chunks of `selectable` contiguous, and grid dimensions the device takes."""
-    batch, heads, group, steps, chunks = logits.shape
+    """A one-token step on a CUDA device with kernels, of logits and a mask the kernels read (`_refusal`)."""
     if not kernels_available(logits.device):
         return False
-    return (
-        steps == 1
-        and 0 < group <= _MAX_GROUP
-        and logits.dtype in _KERNEL_DTYPES
-        and selectable.dtype == torch.bool
-        and selectable.stride(-1) == 1
-        and 0 < chunks <= 2**31 - 1
-        and 0 < batch <= 65535
-        and 0 < heads <= 65535
-    )
+    return logits.shape[3] == 1 and _refusal(logits, selectable) is None
+
+
+def _refusal(logits: torch.Tensor, selectable: torch.Tensor) -> str | None:
+    """Why the kernels cannot read these logits and mask, or None: a known dtype, at most 16 query heads per KV head,
+    the chunks of `selectable` contiguous, and grid dimensions (and chunk indices with a round to spare) the device
+    takes."""
+    batch, heads, group, _, chunks = logits.shape
+    if logits.dtype not in _KERNEL_DTYPES:
+        return f"logits of dtype {logits.dtype} (it reads {', '.join(map(str, _KERNEL_DTYPES))})"
+    if not 0 < group <= _MAX_GROUP:
+        return f"{group} query heads per KV head (it takes 1 to {_MAX_GROUP})"
+    if selectable.dtype != torch.bool or selectable.stride(-1) != 1:
+        return "a mask that is not bool with contiguous chunks"
+    if not (0 < chunks <= 2**31 - 2**16 and 0 < batch <= 65535 and 0 < heads <= 65535):
+        return f"{batch} rows, {heads} KV heads and {chunks} chunks (at most 65535, 65535 and 2**31 - 2**16)"
+    return None
