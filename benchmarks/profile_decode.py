@@ -93,8 +93,8 @@ def main() -> None:
             p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
         gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
     if args.attend_min_blocks is not None:
-        if not 1 <= args.attend_min_blocks <= 16:
-            p.error(f"--attend-min-blocks must be in [1, 16], got {args.attend_min_blocks}")
+        if not 0 <= args.attend_min_blocks <= 16:
+            p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")
         attend_parts.MIN_BLOCKS = args.attend_min_blocks
     if args.landmark_blocks_per_sm is not None:
         if args.landmark_blocks_per_sm <= 0:

@@ -318,12 +318,18 @@ __device__ __forceinline__ void attend_merge_impl(const float* part_acc, const f
 #define ATTEND_G 4
 #define ATTEND_D 128
 #endif
-// The split kernel's blocks per SM that its registers must allow (ops/attend_parts.py `MIN_BLOCKS`).
+// The split kernel's blocks per SM that its registers must allow (ops/attend_parts.py `MIN_BLOCKS`); 0 leaves the
+// compiler's own choice (an explicit 1 is not the same: it lets the compiler take up to 255 registers).
 #ifndef ATTEND_MIN_BLOCKS
-#define ATTEND_MIN_BLOCKS 1
+#define ATTEND_MIN_BLOCKS 0
+#endif
+#if ATTEND_MIN_BLOCKS > 0
+#define ATTEND_SPLIT_BOUNDS __launch_bounds__(THREADS, ATTEND_MIN_BLOCKS)
+#else
+#define ATTEND_SPLIT_BOUNDS __launch_bounds__(THREADS)
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS, ATTEND_MIN_BLOCKS)
+extern "C" __global__ void ATTEND_SPLIT_BOUNDS
     attend_split(const ATTEND_T* q, long long qb, long long qh, Parts parts, float scaling, float softcap,
                  long long total, long long span, float* part_acc, float* part_ml) {
     attend_split_impl<ATTEND_T, ATTEND_G, ATTEND_D>(q, qb, qh, parts, scaling, softcap, total, span, part_acc,

@@ -29,13 +29,16 @@ _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "
 _MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z sizes (KV heads, rows)
 _BLOCKS_PER_SM = 8  # splits are chosen so that the grid has about this many blocks per multiprocessor
-# Blocks per SM the split kernel's registers must allow (its launch bounds), for groups of at most 4 query heads
-# with G * D <= 512. Left free, the compiler takes 133 registers at G = 4, D = 128 (bf16), so 3 blocks of 128 threads
-# fit an SM; bounded to 4 it takes 128 and spills 14 bytes, and the Llama-3.1-8B shape's attention took 6.42 ms of
-# a 128K batch-44 step against 8.62 (`decode_profile_128k_batch44_attend{1,4}`), 712.6 tok/s with it
-# (`ab_landmark_attend4_noballot`). Larger groups stay free (1): at G = 8, D = 128 four blocks would spill 718 bytes.
-# `benchmarks/profile_decode.py` and `throughput.py --attend-min-blocks N` compare.
+# Blocks per SM the split kernel's registers must allow (its launch bounds) for the shapes in `_BOUNDED`: those whose
+# kernel the compiler builds with more than 128 registers and that spill at most a few bytes at 128. At 16-bit, G = 4,
+# D = 128 (the Llama-3.1-8B shape) it took 133 registers, so 3 blocks of 128 threads fit an SM; bounded to 4 it takes
+# 128 and spills 14 bytes, and attention took 6.42 ms of a 128K batch-44 step against 8.62
+# (`decode_profile_128k_batch44_attend{1,4}`), 712.6 tok/s with it (`ab_landmark_attend4_noballot`). Other shapes
+# keep the compiler's choice: below 128 registers a bound only lets it take more (fp32 G = 4, D = 128: 101 -> 128,
+# 5 blocks -> 4), and G = 8 spills hundreds of bytes at 128. `benchmarks/profile_decode.py` and
+# `throughput.py --attend-min-blocks N` compare (0: the compiler's choice).
 MIN_BLOCKS = 4
+_BOUNDED = frozenset({(2, 4, 128)})  # (element size, G, D)
 
 
 class _Part(ctypes.Structure):
@@ -120,7 +123,7 @@ def attend_parts_op(
         ("ATTEND_T", _KERNEL_DTYPES[query.dtype]),
         ("ATTEND_G", group),
         ("ATTEND_D", dim),
-        ("ATTEND_MIN_BLOCKS", MIN_BLOCKS if group <= 4 and group * dim <= 512 else 1),
+        ("ATTEND_MIN_BLOCKS", MIN_BLOCKS if (query.element_size(), group, dim) in _BOUNDED else 0),
     )
     kernels = load_kernels("attend_parts", query.device, defines)
     kernels.launch(
