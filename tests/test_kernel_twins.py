@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -313,6 +314,38 @@ def test_pinned_pool_reuses_freed_blocks_and_grows():
     pinned = pool.pinned_bytes
     assert pool.release_cached() == pinned
     assert len(pins.unpinned) == 2 and pool.pinned_bytes == 0
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (`/proc/self/smaps`)."""
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        low, high = (int(x, 16) for x in entry.split()[0].split("-"))
+        if low <= address < high:
+            return int(re.search(r"AnonHugePages:\s+(\d+) kB", entry).group(1)) << 10
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pinned_pool_on_huge_pages_hands_out_aligned_blocks_of_2_mib_pages(monkeypatch):
+    """With `HUGE_PAGES` a new block is an anonymous mapping aligned to 2 MiB and advised to use huge pages; it holds
+    what is written, is pinned and reused as other blocks are, and is backed by huge pages where the kernel gives
+    them (transparent huge pages not `never`)."""
+    from shadowkv_cache.stores import pinned_pool as module
+
+    monkeypatch.setattr(module, "HUGE_PAGES", True)
+    pins = FakePinning()
+    pool = PinnedPool(pins.register, pins.unregister)
+    a = pool.allocate((3 << 20,), torch.uint8)
+    assert a.data_ptr() % (2 << 20) == 0 and pool.pinned_bytes == 4 << 20 and len(pins.pinned) == 1
+    a.copy_(torch.arange(3 << 20).to(torch.uint8))
+    assert torch.equal(a[-5:], torch.arange((3 << 20) - 5, 3 << 20).to(torch.uint8))
+    first = a.data_ptr()
+    del a
+    b = pool.allocate((2 << 20,), torch.float16)  # the same 4 MiB: reused
+    assert b.data_ptr() == first and len(pins.pinned) == 1
+    b.fill_(1.5)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():  # else an aligned mapping of normal pages
+        assert _anon_huge_bytes(b.data_ptr()) >= 2 << 20
 
 
 def test_pinned_pool_does_not_spend_a_large_block_on_a_small_request():

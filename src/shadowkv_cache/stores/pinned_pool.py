@@ -9,11 +9,18 @@ PyTorch's own pinned allocator rounds every request up to a power of two, which 
 the host memory the stores need at long context. A tensor handed out by `allocate` returns its block to the
 pool when that tensor object is garbage-collected, so its owner must keep it (views alone do not count).
 `release_cached()` unpins the free blocks; the pool also does it by itself when pinning a new block fails.
+
+`HUGE_PAGES` (off by default) backs new blocks with 2 MiB pages where the kernel's transparent huge pages allow
+(`madvise(MADV_HUGEPAGE)` on an anonymous mapping before it is pinned). The GPU reads the value stores in place,
+a few hundred bytes at a time spread over tens of GiB, and a page of 4 KiB holds few of those reads: whether larger
+pages make that fetch faster is what `benchmarks/throughput.py --huge-pages` measures (not yet measured).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,6 +31,19 @@ import torch
 __all__ = ["PinnedPool", "host_copy", "pinned_empty", "pinned_pool"]
 
 _ALIGN = 2 << 20
+HUGE_PAGES = False  # new blocks on 2 MiB pages (see the module docstring); read when a block is made
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` (a multiple of 2 MiB) uint8 of an anonymous mapping, 2 MiB aligned and advised to use huge pages.
+    The tensor keeps the mapping alive."""
+    mapping = mmap.mmap(-1, nbytes + _ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(mapping)
+    start = -ctypes.addressof(view) % _ALIGN
+    del view  # a live export would keep the mapping from being closed when the tensor dies
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the block is an aligned mapping of normal pages
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[start : start + nbytes]
 
 
 def _cuda_register(tensor: torch.Tensor) -> None:
@@ -98,7 +118,7 @@ class PinnedPool:
     def _new_block(self, nbytes: int) -> _Block:
         for attempt in range(2):
             try:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = _huge_page_buffer(nbytes) if HUGE_PAGES else torch.empty(nbytes, dtype=torch.uint8)
                 self._register(buffer)
                 break
             except RuntimeError:
