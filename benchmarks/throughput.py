@@ -55,7 +55,7 @@ from benchmarks.throughput_sweeps import (
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.ops import attend_parts, gather_values
 from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
-from shadowkv_cache.stores import pinned_pool
+from shadowkv_cache.testing import pinned_huge_pages
 
 # The YAKV sweep's hit rate: between what Gemma 3 (0.50-0.52) and SmolLM2 (0.59-0.79) measured at YAKV's 128K budget
 # share, 4K-16K tokens of natural text (benchmarks/hit_rate.py, results/hit_rate_*_yakv_cpu.md).
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attend-min-blocks", type=int, default=None,
                    help="blocks per SM the attention kernel must fit (MIN_BLOCKS in ops/attend_parts.py)")  # fmt: skip
     p.add_argument("--huge-pages", action="store_true",
-                   help="pinned host blocks on 2 MiB pages (stores/pinned_pool.HUGE_PAGES), to compare")  # fmt: skip
+                   help="pinned host blocks on 2 MiB pages (testing.pinned_huge_pages), to compare")  # fmt: skip
     p.add_argument("--replot", metavar="NAME", help="recompute the summary and plot of results/NAME.json, no run")
     p.add_argument("--note", help="with --replot: a note stored in the record's environment")
     add_results_dir_option(p)
@@ -104,7 +104,7 @@ def parse_args() -> argparse.Namespace:
         if args.fetch_blocks_per_sm <= 0:
             p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
         gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
-    pinned_pool.HUGE_PAGES = args.huge_pages
+    pinned_huge_pages(args.huge_pages)
     if args.attend_min_blocks is not None:
         if not 0 <= args.attend_min_blocks <= 16:
             p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")

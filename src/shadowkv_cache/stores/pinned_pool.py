@@ -28,10 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PinnedPool", "host_copy", "pinned_empty", "pinned_pool"]
+__all__ = ["HUGE_PAGES", "PinnedPool", "host_copy", "pinned_empty", "pinned_pool", "use_huge_pages"]
 
 _ALIGN = 2 << 20
 HUGE_PAGES = False  # new blocks on 2 MiB pages (see the module docstring); read when a block is made
+
+
+def use_huge_pages(enabled: bool) -> None:
+    """Make the pool's new blocks on 2 MiB pages (`enabled`) or on the allocator's own; pinned blocks keep theirs."""
+    global HUGE_PAGES
+    HUGE_PAGES = bool(enabled)
 
 
 def _huge_page_buffer(nbytes: int) -> torch.Tensor:

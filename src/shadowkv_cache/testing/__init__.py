@@ -6,8 +6,8 @@ supported interface instead of the package's internals. Imported on first use, l
 
 - `synthetic_cache(model, batch, context, ...)`: a `ShadowKVCache` filled with random compressed prompts
   (ShadowKV mode in any value format, or YAKV mode) at a context length, without a prefill; `layer_sizes` gives
-  what one layer holds per row; `pinned_blocks`, `pinned_bytes`, `release_pinned` manage the pinned host memory
-  such caches (and prefills) draw from.
+  what one layer holds per row; `pinned_blocks`, `pinned_bytes`, `release_pinned`, `pinned_huge_pages` manage the
+  pinned host memory such caches (and prefills) draw from.
 - `ControlledHitRate(h, inner)`: a policy whose steps keep a share `h` of the previous step's chunks or tokens;
   `reset_hit_counts(cache)` zeroes the counters behind `memory_report().hit_rate`.
 - `continue_with_policy(base, model, policy, sparse_budget)`: a cache that continues a prefilled one with another
@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     from .handbook import FACTS, build_document, prompt_ids
     from .hit_rate import ControlledHitRate, reset_hit_counts
     from .retarget import continue_with_policy
-    from .synthetic import LayerSizes, layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
+    from .synthetic import (
+        LayerSizes,
+        layer_sizes,
+        pinned_blocks,
+        pinned_bytes,
+        pinned_huge_pages,
+        release_pinned,
+        synthetic_cache,
+    )
 
 _EXPORTS = {
     "SelectionFigures": ".figures",
@@ -41,6 +49,7 @@ _EXPORTS = {
     "layer_sizes": ".synthetic",
     "pinned_blocks": ".synthetic",
     "pinned_bytes": ".synthetic",
+    "pinned_huge_pages": ".synthetic",
     "release_pinned": ".synthetic",
     "synthetic_cache": ".synthetic",
 }
@@ -55,6 +64,7 @@ __all__ = [
     "layer_sizes",
     "pinned_blocks",
     "pinned_bytes",
+    "pinned_huge_pages",
     "prompt_ids",
     "release_pinned",
     "reset_hit_counts",

@@ -27,7 +27,7 @@ from ..model_keys import key_dims
 from ..placement import attention_devices
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
-from ..stores.pinned_pool import pinned_pool
+from ..stores.pinned_pool import pinned_pool, use_huge_pages
 from ..stores.quantized_store import QuantizedKVStore, record_bytes
 from ..stores.value_codecs import value_codec
 from ..stores.value_store import HostValueStore
@@ -163,6 +163,12 @@ def pinned_blocks(count: int, nbytes: int) -> list[torch.Tensor]:
 def pinned_bytes() -> int:
     """Bytes the package's pinned pool holds pinned (in use or free)."""
     return pinned_pool().pinned_bytes
+
+
+def pinned_huge_pages(enabled: bool) -> None:
+    """Back the package's pinned pool's new blocks with 2 MiB pages (`enabled`, where the kernel's transparent huge
+    pages allow) or with the allocator's pages (the default); blocks already pinned keep theirs."""
+    use_huge_pages(enabled)
 
 
 def release_pinned() -> int:
