@@ -38,7 +38,7 @@ __device__ __forceinline__ void merge_exact(float& m, float& s, float m2, float 
 /// The logits of one chunk a thread holds: up to MAXG values (VB-byte vector loads hold VB / sizeof(T)).
 template <typename T, int VB> struct ChunkLogits {
     static constexpr int MAXG = VB == 0 ? LS_MAX_G : VB / (int)sizeof(T);
-    // Rounds of LS_UNROLL chunks per thread: 32 registers of logits at most.
+    // Chunks per thread and round (`load_round`): 32 registers of logits at most.
     static constexpr int UNROLL = MAXG >= 16 ? 2 : 4;
 };
 
@@ -58,6 +58,19 @@ __device__ __forceinline__ void load_chunk(float (&x)[MAXG], const T* p, long lo
         const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) x[g] = to_f32(e[g]);
+    }
+}
+
+/// \brief A thread's round: chunks base + u*LS_THREADS (u < U) below c1 into x, every load of the round before any
+/// use and the mask's beside the logits'; ok[u] = the chunk exists and is selectable.
+template <typename T, int VB, int MAXG, int U>
+__device__ __forceinline__ void load_round(float (&x)[U][MAXG], bool (&ok)[U], const T* lgt, const bool* sel,
+                                           int base, int c1, long long lc, long long lg, int G) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = base + u * LS_THREADS;
+        ok[u] = c < c1;
+        if (ok[u]) load_chunk<T, VB, MAXG>(x[u], lgt + c * lc, lg, G), ok[u] = sel[c];
     }
 }
 
@@ -90,12 +103,7 @@ __device__ __forceinline__ void landmark_states(float2* states, const T* logits,
     for (int base = c0 + threadIdx.x; base < c1; base += LS_THREADS * U) {
         float x[U][MAXG];
         bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {  // every load of the round before any use, the mask's beside the logits'
-            const int c = base + u * LS_THREADS;
-            ok[u] = c < c1;
-            if (ok[u]) load_chunk<T, VB, MAXG>(x[u], lgt + c * lc, lg, G), ok[u] = sel[c];
-        }
+        load_round<T, VB, MAXG, U>(x, ok, lgt, sel, base, c1, lc, lg, G);
         // The round's max first, then its exps side by side: one rescale per round, not a chain of U.
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
@@ -164,12 +172,7 @@ __device__ __forceinline__ void landmark_scores(float* scores, const float2* sta
     for (int base = c0 + threadIdx.x; base < c1; base += LS_THREADS * U) {
         float x[U][MAXG];
         bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = base + u * LS_THREADS;
-            ok[u] = c < c1;
-            if (ok[u]) load_chunk<T, VB, MAXG>(x[u], lgt + c * lc, lg, G), ok[u] = sel[c];
-        }
+        load_round<T, VB, MAXG, U>(x, ok, lgt, sel, base, c1, lc, lg, G);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = base + u * LS_THREADS;
