@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RopeFn", "RopeLayout", "rope_into_missed", "rope_reference", "slot_products"]
+__all__ = ["RopeFn", "RopeLayout", "rope_into_missed", "rope_missed_reference", "rope_reference", "slot_products"]
 
 # (pre-RoPE keys [M, c, D], positions [M, c]) -> post-RoPE keys [M, c, D], on the keys' device. The kernel path also
 # needs `layout` (a `RopeLayout`, or None when the RoPE is of no layout the kernel knows), `inv_freq_on(device)`
@@ -77,6 +77,25 @@ def rope_into_missed(
     token_positions = positions.gather(1, tokens.reshape(batch, -1)).view(batch * heads * num_slots, c)
     rebuilt = rope(pre.reshape(-1, c, dim), token_positions).view_as(keys)
     keys.copy_(torch.where(miss[..., None, None], rebuilt.to(keys.dtype), keys))
+
+
+def rope_missed_reference(
+    keys: torch.Tensor,
+    pre: torch.Tensor,
+    ids: torch.Tensor,
+    miss: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """The twin of the `rope_missed` operator (and, on `slot_products`, of `rebuild_missed`): `rope_into_missed` with
+    the RoPE the kernels compute (`rope_reference`) from the operators' arguments."""
+    layout = RopeLayout(rotary_dim, interleaved)
+    rope_into_missed(
+        keys, pre, ids, miss, positions, lambda k, p: rope_reference(k, p, inv_freq, attention_scaling, layout)
+    )
 
 
 def slot_products(ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: int) -> torch.Tensor:

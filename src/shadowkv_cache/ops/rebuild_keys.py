@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from .key_rope import RopeFn, RopeLayout, rope_into_missed, rope_reference, slot_products
+from .key_rope import RopeFn, RopeLayout, rope_into_missed, rope_missed_reference, rope_reference, slot_products
 from .library import define_op
 from .loader import kernels_available, load_kernels, strided_grid
 from .rebuild_missed import fused_fits, rebuild_missed_op
@@ -118,28 +118,10 @@ def _launch(keys, ids, miss, a, b, positions, inv_freq, attention_scaling, layou
     rope_missed_op(keys, pre, ids, miss, positions, inv_freq, attention_scaling, layout.rotary_dim, layout.interleaved)
 
 
-def _rope_missed_reference(
-    keys: torch.Tensor,
-    pre: torch.Tensor,
-    ids: torch.Tensor,
-    miss: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    attention_scaling: float,
-    rotary_dim: int,
-    interleaved: bool,
-) -> None:
-    """The op's twin: `rope_into_missed` with the RoPE the kernel computes (`rope_reference`)."""
-    layout = RopeLayout(rotary_dim, interleaved)
-    rope_into_missed(
-        keys, pre, ids, miss, positions, lambda k, p: rope_reference(k, p, inv_freq, attention_scaling, layout)
-    )
-
-
 @define_op(
     "rope_missed(Tensor(a!) keys, Tensor pre, Tensor ids, Tensor miss, Tensor positions, Tensor inv_freq, "
     "float attention_scaling, int rotary_dim, bool interleaved) -> ()",
-    cpu=_rope_missed_reference,
+    cpu=rope_missed_reference,
     fake=lambda *args: None,
 )
 def rope_missed_op(

@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from .key_rope import RopeLayout, rope_into_missed, rope_reference, slot_products
+from .key_rope import rope_missed_reference, slot_products
 from .library import define_op
 from .loader import load_kernels, max_shared_bytes, multiprocessors
 
@@ -88,12 +88,9 @@ def rebuild_missed_reference(
     interleaved: bool,
 ) -> None:
     """The PyTorch twin: every slot's product (`slot_products`, in the keys' dtype), then the RoPE the kernel computes
-    (`rope_reference`) at each missed slot's chunk positions, written where `miss`."""
-    layout = RopeLayout(rotary_dim, interleaved)
-    rope_into_missed(
-        keys, slot_products(ids, a, b, keys.shape[3]), ids, miss, positions,
-        lambda k, p: rope_reference(k, p, inv_freq, attention_scaling, layout),
-    )  # fmt: skip
+    (`rope_missed_reference`) at each missed slot's chunk positions, written where `miss`."""
+    pre = slot_products(ids, a, b, keys.shape[3])
+    rope_missed_reference(keys, pre, ids, miss, positions, inv_freq, attention_scaling, rotary_dim, interleaved)
 
 
 @define_op(
