@@ -30,11 +30,18 @@ import time
 
 import torch
 
-import shadowkv_cache.ops.attend_parts as attend_parts
-import shadowkv_cache.ops.gather_values as gather_values
 import shadowkv_cache.ops.landmark_logits as landmark_logits
 from benchmarks.results_io import add_results_dir_option, environment, write_results
-from benchmarks.speed import PAPER_SETTINGS, build_model, decode, free, generate_times, log
+from benchmarks.speed import (
+    PAPER_SETTINGS,
+    add_kernel_grid_options,
+    apply_kernel_grid_options,
+    build_model,
+    decode,
+    free,
+    generate_times,
+    log,
+)
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
 from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
@@ -80,22 +87,12 @@ def main() -> None:
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
     p.add_argument("--generate", action="store_true", help="also profile steps through model.generate (host time)")
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
-    p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
-                   help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
-    p.add_argument("--attend-min-blocks", type=int, default=None,
-                   help="blocks per SM the attention kernel must fit (MIN_BLOCKS in ops/attend_parts.py)")  # fmt: skip
+    add_kernel_grid_options(p)
     p.add_argument("--landmark-blocks-per-sm", type=int, default=None,
                    help="the int8 landmark kernel's grid (BLOCKS_PER_SM in ops/landmark_logits.py)")  # fmt: skip
     add_results_dir_option(p)
     args = p.parse_args()
-    if args.fetch_blocks_per_sm is not None:
-        if args.fetch_blocks_per_sm <= 0:
-            p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
-        gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
-    if args.attend_min_blocks is not None:
-        if not 0 <= args.attend_min_blocks <= 16:
-            p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")
-        attend_parts.MIN_BLOCKS = args.attend_min_blocks
+    apply_kernel_grid_options(p, args)
     if args.landmark_blocks_per_sm is not None:
         if args.landmark_blocks_per_sm <= 0:
             p.error(f"--landmark-blocks-per-sm must be positive, got {args.landmark_blocks_per_sm}")

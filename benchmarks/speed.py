@@ -7,6 +7,7 @@ in place on the device (no 16 GB copy through host memory).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
 from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.ops import attend_parts, gather_values
 from shadowkv_cache.placement import attention_devices
 from shadowkv_cache.testing import reset_hit_counts
 
@@ -26,6 +28,26 @@ GiB = 2**30
 # use the paper's Llama-3.1-8B settings instead, as shares that scale to the --small model: rank 160 of 1024 and a
 # budget of 1.5625% of the prompt (2048 tokens at 128K).
 PAPER_SETTINGS = {"rank": 0.15625, "sparse_budget": 0.015625}
+
+
+def add_kernel_grid_options(p: argparse.ArgumentParser) -> None:
+    """The kernel launch settings `throughput.py` and `profile_decode.py` compare (`apply_kernel_grid_options`)."""
+    p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
+                   help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
+    p.add_argument("--attend-min-blocks", type=int, default=None,
+                   help="blocks per SM the attention kernel must fit (MIN_BLOCKS in ops/attend_parts.py)")  # fmt: skip
+
+
+def apply_kernel_grid_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set what `add_kernel_grid_options` parsed, or exit with the parser's error for a value out of range."""
+    if args.fetch_blocks_per_sm is not None:
+        if args.fetch_blocks_per_sm <= 0:
+            p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
+        gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
+    if args.attend_min_blocks is not None:
+        if not 0 <= args.attend_min_blocks <= 16:
+            p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")
+        attend_parts.MIN_BLOCKS = args.attend_min_blocks
 
 
 def log(*args) -> None:

@@ -40,7 +40,16 @@ import warnings
 import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, results_dir
-from benchmarks.speed import PAPER_SETTINGS, GiB, build_model, hbm_bandwidth, layer_devices, log
+from benchmarks.speed import (
+    PAPER_SETTINGS,
+    GiB,
+    add_kernel_grid_options,
+    apply_kernel_grid_options,
+    build_model,
+    hbm_bandwidth,
+    layer_devices,
+    log,
+)
 from benchmarks.throughput_report import Recorder, add_summary, replot
 from benchmarks.throughput_sweeps import (
     Run,
@@ -53,7 +62,6 @@ from benchmarks.throughput_sweeps import (
     yakv_sweeps,
 )
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
-from shadowkv_cache.ops import attend_parts, gather_values
 from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 from shadowkv_cache.testing import pinned_huge_pages
 
@@ -90,25 +98,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-static", action="store_true")
     p.add_argument("--name", default=None)
-    p.add_argument("--fetch-blocks-per-sm", type=float, default=None,
-                   help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
-    p.add_argument("--attend-min-blocks", type=int, default=None,
-                   help="blocks per SM the attention kernel must fit (MIN_BLOCKS in ops/attend_parts.py)")  # fmt: skip
+    add_kernel_grid_options(p)
     p.add_argument("--huge-pages", action="store_true",
                    help="pinned host blocks on 2 MiB pages (testing.pinned_huge_pages), to compare")  # fmt: skip
     p.add_argument("--replot", metavar="NAME", help="recompute the summary and plot of results/NAME.json, no run")
     p.add_argument("--note", help="with --replot: a note stored in the record's environment")
     add_results_dir_option(p)
     args = p.parse_args()
-    if args.fetch_blocks_per_sm is not None:
-        if args.fetch_blocks_per_sm <= 0:
-            p.error(f"--fetch-blocks-per-sm must be positive, got {args.fetch_blocks_per_sm}")
-        gather_values.FETCH_BLOCKS_PER_SM = args.fetch_blocks_per_sm
+    apply_kernel_grid_options(p, args)
     pinned_huge_pages(args.huge_pages)
-    if args.attend_min_blocks is not None:
-        if not 0 <= args.attend_min_blocks <= 16:
-            p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")
-        attend_parts.MIN_BLOCKS = args.attend_min_blocks
     return args
 
 

@@ -117,8 +117,8 @@ def _vector_bytes(logits: torch.Tensor) -> int:
     # The last chunk's load must stay inside the storage (a view may end at its last logit).
     last = logits.storage_offset() + (batch - 1) * lb + (heads - 1) * lh + (chunks - 1) * lc
     room = logits.untyped_storage().nbytes() - last * size
+    strides = [lc] + [stride for stride, n in ((lb, batch), (lh, heads)) if n > 1]
     for vector in (16, 8):
-        strides = [lc] + [stride for stride, n in ((lb, batch), (lh, heads)) if n > 1]
         if group * size <= vector <= room and all(stride * size % vector == 0 for stride in strides):
             if logits.data_ptr() % vector == 0:
                 return vector
