@@ -7,8 +7,9 @@ Each decode step of YAKV mode scores every prompt token of every KV head from it
 `ops/score_codes.py`), then takes the top K. This times one layer's scoring on random codes (Llama-3.1-8B shape:
 Hkv = 8, G = 4, D = 128, so 32 code bytes and a 2-byte norm per token and head) with CUDA events, for
 
-- `tensor cores`: one pass over the codes on tensor cores, which writes per-tile softmax states and fp16 exponentials
-  relative to each 16-token group's max, then a kernel that turns those into the scores (sm_80+);
+- `tensor cores`: one pass over the codes on integer tensor cores (int8 grid points against the query's 24-bit integer
+  digits), which writes per-tile softmax states and fp16 exponentials relative to each 16-token group's max, then a
+  kernel that turns those into the scores (sm_80+);
 - `fp32`: the fp32 kernel, which writes fp32 logits per query head, then `softmax_group_max`;
 
 and reports the rate at which each goes through the codes and norms (`codes_GBps`: their bytes once / time, what

@@ -123,6 +123,21 @@ __device__ __forceinline__ void mma_m16n8k16_of(f16, float (&c)[4], const unsign
     mma_m16n8k16(c, a, b0, b1);
 }
 
+/// \brief c += a . b over one m16n8k32 tile of int8 operands (int32 accumulators, exact). Fragments (PTX ISA, "mma
+/// .m16n8k32"): a0/a1 rows gid/gid+8 at k = 4tq..4tq+3, a2/a3 the same rows at k = 16+4tq..; b0 k = 4tq..4tq+3 and
+/// b1 k = 16+4tq.. of column gid; c0,c1 row gid, columns 2tq, 2tq+1; c2,c3 row gid+8 (gid = lane/4, tq = lane%4).
+__device__ __forceinline__ void imma_m16n8k32(int (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // the ops send only sm_80+ here
+#endif
+}
+
 /// \brief 2^k as float32, exactly, for k in [-126, 127].
 __device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
 

@@ -177,35 +177,41 @@ CODE_LOGITS_ALL_G(8)
 
 // ---- Tensor cores: p = 4, one query token, sm_80 and later ----------------------------------------------------------
 //
-// Why: the kernel above reads its codes at ~150 GB/s on an H200 (under 4% of HBM bandwidth;
-// benchmarks/results/scoring_cuda.md): each code is a 16-byte random read of shared memory, which conflicts on
-// banks, then p*G fp32 multiply-adds. Here each code is dequantised into the A operand of an m16n8k16 MMA (16 tokens
-// x 16 dims) with one conflict-free 8-byte read, and the tensor cores multiply by the group's queries (B: 16 dims x 8
-// query heads). D dims of a token are its M = D/4 codes: the MMA's k index only has to pair key and query dims the
-// same way, so thread `tq` of a quad takes codes tq*KT .. tq*KT + KT-1 of its two tokens (one load each) and
-// k-slots (2tq, 2tq+1, 2tq+8, 2tq+9) of k-tile kt hold the 4 dims of code tq*KT + kt.
+// Why: the kernel above reads its codes at ~150 GB/s on an H200 (benchmarks/results/scoring_cuda.md): each code is a
+// 16-byte random read of shared memory, which conflicts on banks, then p*G fp32 multiply-adds. An fp16 tensor-core
+// version (a 4-dim grid point per 8-byte table read, the query split into two fp16 halves, two MMAs per k-tile) was
+// bound by issuing instructions (benchmarks/results/scoring_ncu_128k.md: 1.3 eligible warps, the issue slot busy 64%
+// of cycles) and read codes at 16.5% of the copy bandwidth. Here each code is the int8 A operand of an m16n8k32
+// integer MMA (32 dims of 16 tokens): one 4-byte read of a table in shared memory that holds a copy per lane (no bank
+// conflicts) gives a code's four int8 coordinates, and the group's queries are the B operand. Per 16 tokens and 32
+// dims a thread makes 4 table reads and, for G <= 4, 2 MMAs (for G > 4, 3).
 //
-// Exactness: 4-D grid points are fp16 values (quant/higgs.py rounds them), so the A operand is exact; each query is
-// scaled by a power of two into fp16's range and split into hi + lo fp16 parts (two MMAs), so the products carry
-// ~2^-22 relative error and the fp32 sums differ from the twin's only in order, as the fp32 kernel's do.
+// Exactness: the 4-D grid's points are multiples of 1/32 within +-127/32 (quant/higgs.py fits them on that lattice),
+// so 32*g is an int8 exactly. Each query head is scaled by s = (2^23 - 2^16) / max|q| and rounded to an integer q24
+// (2^-24 of its largest coordinate), written q24 = 2^16 hi + 2^8 mid + lo with int8 digits. The dots of the digits with
+// the int8 points are exact in int32 and are combined in fp32 (one rounding): the logits differ from the twin's by
+// the query's rounding and fp32 round-off, like the fp32 kernel's. G <= 4 packs the hi digits of the group's heads in
+// B columns 0-3 and the mid digits in 4-7 (lanes tq and tq^2 swap the halves through one shuffle), and the lo digits
+// in a second MMA (columns 4-7 repeat 0-3, so every lane of a quad holds the three digits of its heads); G > 4 takes a
+// MMA per digit.
 //
 // One pass over the codes (`code_states_mma`): per-tile softmax states, and each logit as an fp16 exponential relative
 // to the max of its head over the 16 tokens an MMA covers, with that max in fp32. A second kernel (`code_scores_finish`)
 // merges the tiles' states into each head's row state and turns the exponentials into scores, max over the group,
 // reading 2Gp + Gp/4 bytes per token (Gp = G rounded up to even; pass 1 writes as many) where reading the codes again
-// would be M + 3 (codes, norm, mask: 35 at D = 128) and redo every lookup and MMA (which, not bytes, held the earlier
-// second pass to the first pass's time).
+// would be M + 3 (codes, norm, mask: 35 at D = 128).
 //
 // Precision: exp(l - group max) is in [0, 1]; stored times 2^15 it is a normal fp16 down to 2^-29 (~1.9e-9), so
 // where it is at least that the score carries 2^-11 relative error (plus __expf's ~1e-5), and below it the score is
 // within 2^-39 absolute of the twin's (the factor that scales it is at most 1). The states are summed from the fp32
 // exponentials.
 //
-// Legend: KT = M/4 k-tiles of 16 dims, gid = lane/4 (MMA row group; B column = query head gid), tq = lane % 4.
+// Legend: CPT = M/4 codes per thread per token (4 threads per token), NK = CPT/2 k-tiles of 32 dims, gid = lane/4 (MMA
+// row group; B column gid), tq = lane % 4.
 
 #define MMA_THREADS 128
-// The grid of D = 128 (KT = 8), the most common head dim: blocks per SM that registers are budgeted for, and stages of
-// the code ring (shared memory sets the blocks too: 4 at 5 stages, 5 at 4). score_codes.py passes its own values.
+// The grid of D = 128 (CPT = 8), the most common head dim: blocks per SM that registers are budgeted for, and stages of
+// the code ring. score_codes.py passes its own values.
 #ifndef MMA_MIN_BLOCKS_K8
 #define MMA_MIN_BLOCKS_K8 4
 #endif
@@ -213,26 +219,44 @@ CODE_LOGITS_ALL_G(8)
 #define MMA_DEPTH_K8 5
 #endif
 #define MMA_TILE 2048   // tokens per block (score_codes.py's _MMA_TILE)
-#define MMA_COPIES 16  // copies of the grid in shared memory, one per lane of a half-warp: no bank conflicts
-#define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN
+#define MMA_COPIES 32  // copies of the int8 grid in shared memory, one per lane: no bank conflicts
+#define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN, and cvt writes NaN as 0x7fff
+#define Q24_MAX 8323072.f      // 2^23 - 2^16: the largest |q24|, whose three digits stay in int8
 
-/// \brief Add a group of logits, given as their max `g` and the sum of exp(logit - g), to a softmax state; a group
-/// with nothing selectable (g = -inf) adds nothing.
-__device__ __forceinline__ void add_group(float& m, float& s, float g, float sum) {
+/// \brief 2^x, flushed to 0 below 2^-126 (one MUFU.EX2; -inf gives 0). The tensor-core pass keeps logits in base 2
+/// (times log2 e), so its exponentials need no extra multiply and no range handling.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/// \brief `merge_state` (common.cuh) of states kept in base 2: (max, sum of 2^(l - max)).
+__device__ __forceinline__ void merge_state2(float& m, float& s, float m2, float s2) {
+    if (m2 == NEG_INF) return;
+    if (m == NEG_INF) { m = m2; s = s2; return; }
+    const float hi = fmaxf(m, m2);
+    s = s * exp2_ftz(m - hi) + s2 * exp2_ftz(m2 - hi);
+    m = hi;
+}
+
+/// \brief Add a group of base-2 logits, given as their max `g` and the sum of 2^(logit - g), to a base-2 softmax
+/// state; a group with nothing selectable (g = -inf) adds nothing.
+__device__ __forceinline__ void add_group2(float& m, float& s, float g, float sum) {
     if (g == NEG_INF) return;
     if (g > m) {
-        s = s * __expf(m - g) + sum;  // m = -inf at first: s = 0
+        s = s * exp2_ftz(m - g) + sum;  // m = -inf at first: s = 0
         m = g;
     } else {
-        s += sum * __expf(g - m);
+        s += sum * exp2_ftz(g - m);
     }
 }
 
-/// \brief The KT code bytes of one token at `p` (shared memory, KT-byte aligned) as KT/4 words.
-template <int KT> __device__ __forceinline__ void load_words(const unsigned char* p, unsigned (&w)[KT / 4]) {
-    if constexpr (KT == 4) {
+/// \brief The CPT code bytes of one token at `p` (shared memory, CPT-byte aligned) as CPT/4 words.
+template <int CPT> __device__ __forceinline__ void load_words(const unsigned char* p, unsigned (&w)[CPT / 4]) {
+    if constexpr (CPT == 4) {
         w[0] = *reinterpret_cast<const unsigned*>(p);
-    } else if constexpr (KT == 8) {
+    } else if constexpr (CPT == 8) {
         const uint2 v = *reinterpret_cast<const uint2*>(p);
         w[0] = v.x; w[1] = v.y;
     } else {
@@ -263,43 +287,56 @@ template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+/// \brief The int8 digit `d` (0: hi, 1: mid, 2: lo) of q24 = 2^16 hi + 2^8 mid + lo, each in [-128, 127].
+__device__ __forceinline__ int q24_digit(int q24, int d) {
+    const int lo = ((q24 + 128) & 255) - 128;
+    const int t = (q24 - lo) >> 8;
+    const int mid = ((t + 128) & 255) - 128;
+    return d == 2 ? lo : d == 1 ? mid : (t - mid) >> 8;
+}
+
+/// \brief Four int8 values (the low byte of each) packed little-endian into one MMA operand word.
+__device__ __forceinline__ unsigned pack_s8x4(int x0, int x1, int x2, int x3) {
+    return (unsigned)(x0 & 255) | ((unsigned)(x1 & 255) << 8) | ((unsigned)(x2 & 255) << 16) | ((unsigned)x3 << 24);
+}
+
 /// \brief The pass over the codes. One block per (tile of tokens, KV head, row), 4 warps; each warp takes 16 tokens
-/// (one MMA group) at a time.
+/// (one MMA group) at a time. `PACKED`: G <= 4 (two MMAs per k-tile), else G <= 8 (three). Logits are kept in base 2
+/// (l = logit * log2 e), so each exponential is one `ex2`.
 ///
-/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, out: each tile's max and sum of exp(logit - max) per query head
+/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, out: each tile's max l and sum of 2^(l - max) per query head
 /// \param exps      [B, Hkv, N, Gp] fp16 (Gp = G rounded up to even, as pairs of fp16 in 32-bit words), out:
-///                  2^15 * exp(logit - group max), 0 where not selectable; entries g >= G hold anything
-/// \param gmaxes    [B, Hkv, NG, Gp] fp32 (NG = ceil(N / 16)), out: the max logit of each group of 16 tokens per
-///                  query head, -inf where none is selectable; entries g >= G hold anything
+///                  2^15 * 2^(l - group max); for a token that is not selectable, the pattern NOT_SELECTABLE in the
+///                  low half of its first word and 0 elsewhere; entries g >= G hold anything
+/// \param gmaxes    [B, Hkv, NG, Gp] fp32 (NG = ceil(N / 16)), out: the max l of each group of 16 tokens per query
+///                  head, -inf where none is selectable; entries g >= G hold anything
 /// \param query     [B, Hkv, G, D] fp32 rotated queries (one query token), contiguous
-/// \param codes     uint8 [B, Hkv, N, M], M = 4*KT, as code_logits_impl's (KT-byte aligned)
-/// \param norms, selectable, grid, scaling, sqrt_d  as code_logits_impl's
+/// \param codes     uint8 [B, Hkv, N, M], M = 4*CPT, as code_logits_impl's (CPT-byte aligned)
+/// \param norms, selectable, scaling, sqrt_d  as code_logits_impl's
+/// \param points8   [256] uint32: grid point j as 4 int8 (32 * its coordinates, coordinate i in byte i)
 /// Launch: grid (NT, Hkv, B), block 128 threads, MMA_TILE tokens per block.
-template <int KT>
+template <int CPT, bool PACKED>
 __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* part_sum, unsigned* exps, float* gmaxes,
                                                      const float* query, const unsigned char* codes,
                                                      long long codes_row_stride, const f16* norms,
                                                      long long norms_row_stride, const bool* selectable,
                                                      long long sel_row_stride, long long sel_head_stride,
-                                                     const float* grid, float scaling, float sqrt_d, int Hkv, int G,
-                                                     int N) {
-    constexpr int M = 4 * KT, D = 4 * M, W = KT / 4, STRIDE = MMA_THREADS / 32 * 16;
-    // Stages of the code ring; under 48 KiB of static shared memory in all.
-    constexpr int DEPTH = KT == 16 ? 2 : KT == 8 ? MMA_DEPTH_K8 : 5;
-    __shared__ uint2 table[256 * MMA_COPIES];
+                                                     const unsigned* points8, float scaling, float sqrt_d, int Hkv,
+                                                     int G, int N) {
+    constexpr int M = 4 * CPT, D = 4 * M, W = CPT / 4, NK = CPT / 2, STRIDE = MMA_THREADS / 32 * 16;
+    constexpr int PARTS = PACKED ? 2 : 3;  // MMAs per k-tile
+    // Stages of the code ring; under 48 KiB of static shared memory in all (the table takes 32 KiB).
+    constexpr int DEPTH = CPT == 16 ? 2 : CPT == 8 ? MMA_DEPTH_K8 : 5;
+    __shared__ unsigned table[256 * MMA_COPIES];
     __shared__ unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[MMA_THREADS / 32][DEPTH][16 * M];
     __shared__ float wm[MMA_THREADS / 32][8], ws[MMA_THREADS / 32][8];
     const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
-    const int copy = lane & (MMA_COPIES - 1);
     const int pairs = (G + 1) / 2, groups = (N + 15) / 16;  // Gp / 2 words per token; NG
     const size_t rh = (size_t)row * Hkv + head;
 
-    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += MMA_THREADS) {
-        const float4 pt = reinterpret_cast<const float4*>(grid)[i / MMA_COPIES];
-        table[i] = make_uint2(pack_f16x2(pt.x, pt.y), pack_f16x2(pt.z, pt.w));
-    }
+    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += MMA_THREADS) table[i] = __ldg(points8 + i / MMA_COPIES);
     // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
     // waits on no global load but the codes'.
     const int n0 = blockIdx.x * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
@@ -311,92 +348,123 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
     }
 
-    // B fragments: column gid = query head gid of the group (zeros beyond G), dims 4c..4c+3 of code c = tq*KT + kt.
-    float qv[KT][4];
-    float qmax = 0.f;
-    const float* qrow = query + (rh * G + gid) * D;
+    // B fragments: column gid of MMA `part` is digit `digit` of query head `hq` (zeros beyond G); word j holds dims
+    // 4c..4c+3 of code c = tq*CPT + j, and k-tile t takes words 2t (b0) and 2t+1 (b1).
+    const int hq = PACKED ? (gid & 3) : gid;
+    float qv[CPT][4];
+    float qmax = 0.f, qsum = 0.f;
+    const float* qrow = query + (rh * G + hq) * D;
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
+    for (int j = 0; j < CPT; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            qv[kt][j] = gid < G ? qrow[4 * (tq * KT + kt) + j] : 0.f;
-            qmax = fmaxf(qmax, fabsf(qv[kt][j]));
+        for (int i = 0; i < 4; ++i) {
+            qv[j][i] = hq < G ? qrow[4 * (tq * CPT + j) + i] : 0.f;
+            qmax = fmaxf(qmax, fabsf(qv[j][i]));
+            qsum += fabsf(qv[j][i]);
         }
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
-    // Scale the head by 2^k so that its largest coordinate is in [2^13, 2^14): inside fp16's range, lo parts normal.
-    const int k = qmax > 0.f ? max(-126, min(126, 13 - (((__float_as_int(qmax) >> 23) & 0xff) - 127))) : 0;
-    unsigned bhi[KT][2], blo[KT][2];
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
+    for (int off = 1; off <= 2; off <<= 1) {  // over the quad: the head's D dims
+        qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
+        qsum += __shfl_xor_sync(0xffffffffu, qsum, off);
+    }
+    // A query with a NaN or an infinity scores NaN, as the twin's would (fmaxf drops NaN, the sum keeps it).
+    const bool finite = qsum - qsum == 0.f;
+    const float s = qmax > 0.f && finite ? Q24_MAX / qmax : 0.f;
+    // logit = combined digit dots * down * norm / sqrt(D) * scaling; 1/32 undoes the grid's int8 scale.
+    const float down = !finite ? __int_as_float(0x7fc00000) : qmax > 0.f ? qmax / Q24_MAX * 0.03125f : 0.f;
+    unsigned bq[PARTS][CPT];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float x0 = qv[kt][2 * h] * pow2(k), x1 = qv[kt][2 * h + 1] * pow2(k);
-            const unsigned short h0 = f16_bits(x0), h1 = f16_bits(x1);
-            bhi[kt][h] = (unsigned)h0 | ((unsigned)h1 << 16);
-            blo[kt][h] = pack_f16x2(x0 - f16_value(h0), x1 - f16_value(h1));
+    for (int j = 0; j < CPT; ++j) {
+        int q24[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q24[i] = __float2int_rn(qv[j][i] * s);
+#pragma unroll
+        for (int part = 0; part < PARTS; ++part) {
+            const int digit = PACKED ? (part == 1 ? 2 : gid < 4 ? 0 : 1) : part;
+            bq[part][j] = pack_s8x4(q24_digit(q24[0], digit), q24_digit(q24[1], digit), q24_digit(q24[2], digit),
+                                    q24_digit(q24[3], digit));
         }
-    // Output columns 2tq and 2tq+1 are query heads whose scales lanes 8tq and 8tq+4 hold.
-    const int col0 = 2 * tq, col1 = 2 * tq + 1;
-    const bool writes = col0 < G;  // this lane's pair of columns is stored (the second may be padding)
-    const float down0 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col0));
-    const float down1 = pow2(-__shfl_sync(0xffffffffu, k, 4 * col1));
+    }
+    // This lane's output columns: heads col0 and col1, whose scales lanes 4*col0 and 4*col1 hold.
+    const int col0 = PACKED ? 2 * (tq & 1) : 2 * tq, col1 = col0 + 1;
+    const bool writes = (!PACKED || tq < 2) && col0 < G;  // this lane stores its pair (the second may be padding)
+    const float down0 = __shfl_sync(0xffffffffu, down, 4 * col0);
+    const float down1 = __shfl_sync(0xffffffffu, down, 4 * col1);
     __syncthreads();
 
-    const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * KT;
-    const unsigned char* entries = reinterpret_cast<const unsigned char*>(table + copy);  // entry v at v << 7 bytes
-    unsigned char* ring_a = &stage[warp][0][gid * M + tq * KT];
-    unsigned char* ring_b = &stage[warp][0][(gid + 8) * M + tq * KT];
-    unsigned* exps_head = exps + rh * N * pairs + tq;
-    float* gmax_head = gmaxes + rh * groups * (2 * pairs) + col0;
-    const float unit = 1.f / sqrt_d;
+    // Entry v of this lane's copy of the table is 128 bytes (one word per lane) after entry v - 1.
+    const unsigned char* tab = reinterpret_cast<const unsigned char*>(table + (lane & (MMA_COPIES - 1)));
+    // Per-lane constants of the logits, in base 2: 2^l = e^logit.
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float k0 = down0 * scaling * LOG2E, k1 = down1 * scaling * LOG2E, unit = 1.f / sqrt_d;
 
     // Codes stream through a ring of DEPTH stages per warp (cp.async): DEPTH - 1 groups of 16 tokens are in flight
     // while one is scored, which hides HBM latency that one prefetched group cannot. Each thread reads back only the
-    // bytes it copied itself, so no barrier is needed.
+    // bytes it copied itself, so no barrier is needed. Pointers move on by a constant each group (no 64-bit index
+    // products in the loop).
     const int first = n0 + warp * 16;
     const int iters = first < n1 ? (n1 - first + STRIDE - 1) / STRIDE : 0;
-    auto issue = [&](int i) {  // this warp's i-th group into slot i % DEPTH; past the end, a zero-filled no-op
-        const int slot = (i % DEPTH) * 16 * M, na = first + i * STRIDE + gid, nb = na + 8;
-        cp_async<KT>(ring_a + slot, code_head + (size_t)min(na, n1 - 1) * M, na < n1);
-        cp_async<KT>(ring_b + slot, code_head + (size_t)min(nb, n1 - 1) * M, nb < n1);
+    const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * CPT;
+    const unsigned char* src = code_head + (size_t)(first + gid) * M;  // token na of the next group to issue
+    int next = first + gid, slot_in = 0, slot_out = 0;
+    unsigned char* ring_a = &stage[warp][0][gid * M + tq * CPT];
+    auto issue = [&]() {  // the next group into slot `slot_in`; past the end, a zero-filled no-op
+        const bool va = next < n1, vb = next + 8 < n1;
+        cp_async<CPT>(ring_a + slot_in * 16 * M, va ? src : code_head, va);
+        cp_async<CPT>(ring_a + slot_in * 16 * M + 8 * M, vb ? src + 8 * M : code_head, vb);
         cp_async_commit();
+        next += STRIDE;
+        src += (size_t)STRIDE * M;
+        slot_in = slot_in == DEPTH - 1 ? 0 : slot_in + 1;
     };
-    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's states of columns col0, col1
+    unsigned* out_a = exps + rh * N * pairs + (size_t)(first + gid) * pairs + (col0 >> 1);  // token na's word
+    float* out_g = gmaxes + rh * groups * (2 * pairs) + (size_t)(first >> 4) * (2 * pairs) + col0;
+    const int out_step = STRIDE * pairs, gmax_step = STRIDE / 16 * (2 * pairs);
+    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's base-2 states of columns col0, col1
 #pragma unroll
-    for (int i = 0; i < DEPTH - 1; ++i) issue(i);
-    for (int it = 0; it < iters; ++it) {
-        issue(it + DEPTH - 1);
+    for (int i = 0; i < DEPTH - 1; ++i) issue();
+    for (int it = 0, na = first + gid; it < iters; ++it, na += STRIDE) {
+        issue();
         cp_async_wait<DEPTH - 1>();
-        const int base = first + it * STRIDE, na = base + gid, nb = na + 8;
+        const int nb = na + 8;
         unsigned wa[W], wb[W];
-        load_words<KT>(ring_a + (it % DEPTH) * 16 * M, wa);
-        load_words<KT>(ring_b + (it % DEPTH) * 16 * M, wb);
+        load_words<CPT>(ring_a + slot_out * 16 * M, wa);
+        load_words<CPT>(ring_a + slot_out * 16 * M + 8 * M, wb);
+        slot_out = slot_out == DEPTH - 1 ? 0 : slot_out + 1;
         const bool in_a = na < n1, in_b = nb < n1;
         const unsigned short ha = in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
         const unsigned short hb = in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
         const bool ok_a = ha != NOT_SELECTABLE, ok_b = hb != NOT_SELECTABLE;
         const float scale_a = f16_value(ha) * unit, scale_b = f16_value(hb) * unit;
 
-        // Four accumulators (hi/lo parts x even/odd k-tiles): four short dependency chains of MMAs, not one.
-        float acc[4][4] = {};
+        int acc[PARTS][4] = {};
 #pragma unroll
-        for (int kt = 0; kt < KT; ++kt) {
-            const int shift = 8 * (kt & 3);
-            const uint2 ea = *reinterpret_cast<const uint2*>(entries + (((wa[kt >> 2] >> shift) & 0xffu) << 7));
-            const uint2 eb = *reinterpret_cast<const uint2*>(entries + (((wb[kt >> 2] >> shift) & 0xffu) << 7));
-            const unsigned a[4] = {ea.x, eb.x, ea.y, eb.y};
-            mma_m16n8k16(acc[kt & 1], a, bhi[kt][0], bhi[kt][1]);
-            mma_m16n8k16(acc[2 + (kt & 1)], a, blo[kt][0], blo[kt][1]);
+        for (int t = 0; t < NK; ++t) {
+            // Codes 2t and 2t+1 of this thread's CPT: bytes 2(t%2) and 2(t%2)+1 of word t/2; byte b of a word is
+            // moved to bits 8-15 and halved: the entry's offset, 128 * code.
+            const unsigned xa = wa[t >> 1], xb = wb[t >> 1];
+            const unsigned sel0 = 0x4404 | ((2 * (t & 1)) << 4), sel1 = 0x4404 | ((2 * (t & 1) + 1) << 4);
+            const unsigned a[4] = {*reinterpret_cast<const unsigned*>(tab + (__byte_perm(xa, 0, sel0) >> 1)),
+                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xb, 0, sel0) >> 1)),
+                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xa, 0, sel1) >> 1)),
+                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xb, 0, sel1) >> 1))};
+#pragma unroll
+            for (int part = 0; part < PARTS; ++part) imma_m16n8k32(acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
         }
-        float c[4];
+        float c[4];  // (token na, col0), (na, col1), (nb, col0), (nb, col1)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-        // c: (token na, col0), (na, col1), (nb, col0), (nb, col1)
-        const float la0 = ok_a ? c[0] * down0 * scale_a * scaling : NEG_INF;
-        const float la1 = ok_a ? c[1] * down1 * scale_a * scaling : NEG_INF;
-        const float lb0 = ok_b ? c[2] * down0 * scale_b * scaling : NEG_INF;
-        const float lb1 = ok_b ? c[3] * down1 * scale_b * scaling : NEG_INF;
+        for (int i = 0; i < 4; ++i) {
+            int hi = acc[0][i], mid = PACKED ? 0 : acc[1][i];
+            if constexpr (PACKED) {  // lanes tq < 2 hold the hi digits, tq >= 2 the mid ones, of the same heads
+                const int other = __shfl_xor_sync(0xffffffffu, acc[0][i], 2);
+                mid = tq < 2 ? other : hi;
+                hi = tq < 2 ? hi : other;
+            }
+            // mid * 2^8 + lo is exact in int32 (|mid dot| < 2^22); the hi digit joins it in one fp32 rounding.
+            c[i] = fmaf((float)hi, 65536.f, (float)(mid * 256 + acc[PARTS - 1][i]));
+        }
+        const float la0 = ok_a ? c[0] * k0 * scale_a : NEG_INF, la1 = ok_a ? c[1] * k1 * scale_a : NEG_INF;
+        const float lb0 = ok_b ? c[2] * k0 * scale_b : NEG_INF, lb1 = ok_b ? c[3] * k1 * scale_b : NEG_INF;
         // Each column's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4) of the quad lane.
         float g0 = fmaxf(la0, lb0), g1 = fmaxf(la1, lb1);
 #pragma unroll
@@ -404,26 +472,29 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
             g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
         }
-        // exp(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
-        const float ea0 = g0 == NEG_INF ? 0.f : __expf(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : __expf(lb0 - g0);
-        const float ea1 = g1 == NEG_INF ? 0.f : __expf(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : __expf(lb1 - g1);
+        // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
+        const float ea0 = g0 == NEG_INF ? 0.f : exp2_ftz(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : exp2_ftz(lb0 - g0);
+        const float ea1 = g1 == NEG_INF ? 0.f : exp2_ftz(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : exp2_ftz(lb1 - g1);
         if (writes) {
             constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
-            if (in_a) exps_head[(size_t)na * pairs] = pack_f16x2(ea0 * UP, ea1 * UP);
-            if (in_b) exps_head[(size_t)nb * pairs] = pack_f16x2(eb0 * UP, eb1 * UP);
-            if (gid == 0) *reinterpret_cast<float2*>(gmax_head + (size_t)(base >> 4) * (2 * pairs)) = make_float2(g0, g1);
+            const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
+            if (in_a) *out_a = ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked;
+            if (in_b) out_a[8 * pairs] = ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked;
+            if (gid == 0) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
         }
-        add_group(m0, s0, g0, ea0 + eb0);
-        add_group(m1, s1, g1, ea1 + eb1);
+        out_a += out_step;
+        out_g += gmax_step;
+        add_group2(m0, s0, g0, ea0 + eb0);
+        add_group2(m1, s1, g1, ea1 + eb1);
     }
     cp_async_wait<0>();
 
     // The quad's columns over the warp's 8 row groups, then over the block's warps.
     for (int off = 4; off < 32; off <<= 1) {
-        merge_state(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
-        merge_state(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
+        merge_state2(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
+        merge_state2(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
     }
-    if (gid == 0) {
+    if (gid == 0 && (!PACKED || tq < 2)) {
         wm[warp][col0] = m0; ws[warp][col0] = s0;
         wm[warp][col1] = m1; ws[warp][col1] = s1;
     }
@@ -431,41 +502,47 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     if (threadIdx.x < G) {
         float mm = NEG_INF, ss = 0.f;
 #pragma unroll
-        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
+        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state2(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
         const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
         part_max[p] = mm;
         part_sum[p] = ss;
     }
 }
 
-#define CODE_MMA(KT, MIN_BLOCKS)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MIN_BLOCKS) code_states_mma_k##KT(                              \
+#define CODE_MMA(CPT, G_MAX, PACKED, MIN_BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MIN_BLOCKS) code_states_mma_k##CPT##_g##G_MAX(      \
         float* part_max, float* part_sum, unsigned* exps, float* gmaxes, const float* query,                      \
         const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
-        const bool* selectable, long long sel_row_stride, long long sel_head_stride, const float* grid,          \
+        const bool* selectable, long long sel_row_stride, long long sel_head_stride, const unsigned* points8,    \
         float scaling, float sqrt_d, int Hkv, int G, int N) {                                                    \
-        code_states_mma_impl<KT>(part_max, part_sum, exps, gmaxes, query, codes, codes_row_stride, norms,        \
-                                 norms_row_stride, selectable, sel_row_stride, sel_head_stride, grid, scaling,   \
-                                 sqrt_d, Hkv, G, N);                                                             \
+        code_states_mma_impl<CPT, PACKED>(part_max, part_sum, exps, gmaxes, query, codes, codes_row_stride,      \
+                                          norms, norms_row_stride, selectable, sel_row_stride, sel_head_stride,  \
+                                          points8, scaling, sqrt_d, Hkv, G, N);                                  \
     }
 
-CODE_MMA(4, 1)                  // D = 64: ~90 registers, so 5 blocks per SM whatever the bound
-CODE_MMA(8, MMA_MIN_BLOCKS_K8)  // D = 128
-CODE_MMA(16, 1)                 // D = 256: ~150 registers, 3 blocks per SM
+// Kernel names: k<CPT> (D = 16 * CPT), g<largest G> (4: two MMAs per k-tile, 8: three).
+CODE_MMA(4, 4, true, 1)
+CODE_MMA(4, 8, false, 1)
+CODE_MMA(8, 4, true, MMA_MIN_BLOCKS_K8)  // D = 128
+CODE_MMA(8, 8, false, MMA_MIN_BLOCKS_K8)
+CODE_MMA(16, 4, true, 1)
+CODE_MMA(16, 8, false, 1)
 
 #define FINISH_THREADS 256
 #define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16
 
 /// \brief The scores from `code_states_mma`'s outputs: each query head's row state merged from the tiles', then
-/// max over the group of exp(logit - row max) / row sum = exps * 2^-15 * exp(group max - row max) / row sum.
+/// max over the group of exp(logit - row max) / row sum = exps * 2^-15 * 2^(group max - row max) / row sum (in base 2,
+/// as code_states_mma keeps them).
 ///
-/// \param scores    [B, Hkv, N] fp32, out: 0 where not selectable or where the head has nothing selectable
+/// \param scores    [B, Hkv, N] fp32, out: `fill` where not selectable
 /// \param exps, gmaxes  [B, Hkv, N, Gp] fp16 and [B, Hkv, NG, Gp] fp32, as code_states_mma writes them
 /// \param part_max, part_sum  [B, Hkv, G, NT] fp32, as code_states_mma writes them
+/// \param fill      the score of a token that is not selectable (0, or -inf for a top-k that must never take it)
 /// Launch: grid (ceil(N / FINISH_TILE), Hkv, B), block FINISH_THREADS threads.
 extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
     float* scores, const unsigned* exps, const float* gmaxes, const float* part_max, const float* part_sum, int Hkv,
-    int G, int N, int n_tiles) {
+    int G, int N, int n_tiles, float fill) {
     __shared__ float gm[8], rs[8], factor[FINISH_TILE / 16][8];
     const int head = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pairs = (G + 1) / 2, groups = (N + 15) / 16;
@@ -474,9 +551,9 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
     for (int g = warp; g < G; g += FINISH_THREADS / 32) {
         float mm = NEG_INF, ss = 0.f;
         const size_t p = (rh * G + g) * n_tiles;
-        for (int t = lane; t < n_tiles; t += 32) merge_state(mm, ss, part_max[p + t], part_sum[p + t]);
+        for (int t = lane; t < n_tiles; t += 32) merge_state2(mm, ss, part_max[p + t], part_sum[p + t]);
         for (int off = 16; off > 0; off >>= 1)
-            merge_state(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
+            merge_state2(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
         if (lane == 0) { gm[g] = mm; rs[g] = 1.f / ss; }
     }
     __syncthreads();
@@ -486,20 +563,22 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
     for (int i = threadIdx.x; i < count * G; i += FINISH_THREADS) {
         const int j = i / G, g = i - j * G;
         const float x = gmax_row[(size_t)(grp0 + j) * (2 * pairs) + g];
-        factor[j][g] = x == NEG_INF || gm[g] == NEG_INF ? 0.f : __expf(x - gm[g]) * rs[g] * (1.f / 32768.f);
+        factor[j][g] = x == NEG_INF || gm[g] == NEG_INF ? 0.f : exp2_ftz(x - gm[g]) * rs[g] * (1.f / 32768.f);
     }
     __syncthreads();
     const unsigned* exps_row = exps + rh * N * pairs;
     for (int n = n0 + threadIdx.x; n < n1; n += FINISH_THREADS) {
         const float* f = factor[(n - n0) >> 4];
         float best = 0.f;
+        bool marked = false;
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             if (p >= pairs) break;
             const unsigned w = exps_row[(size_t)n * pairs + p];
+            marked = marked || (p == 0 && (w & 0xffffu) == NOT_SELECTABLE);
             best = fmaxf(best, f16_value(w & 0xffffu) * f[2 * p]);
             if (2 * p + 1 < G) best = fmaxf(best, f16_value(w >> 16) * f[2 * p + 1]);
         }
-        scores[rh * N + n] = best;
+        scores[rh * N + n] = marked ? fill : best;
     }
 }

@@ -185,6 +185,11 @@ VARIANTS = {
     ),
     "attend_parts[plain]": ("attend_parts", lambda d, g: _attend(d, g, terms=False)),
     "code_scores[tensor cores]": ("code_scores", lambda d, g: (*_code_scores(d, g)[:-1], True)),
+    # -inf where not selectable (QuantizedKeyTopK's masked scores), as the tensor-core kernels write it.
+    "code_scores[tensor cores, masked]": (
+        "code_scores",
+        lambda d, g: (*_code_scores(d, g)[:-1], True, float("-inf")),
+    ),
     "gather_dequant[every slot]": ("gather_dequant", lambda d, g: _gather_dequant(d, g, some=False)),
     "gather_values[native]": ("gather_values", lambda d, g: _gather_values(d, g, "native")),
     "gather_values[fp8]": ("gather_values", lambda d, g: _gather_values(d, g, "fp8")),
@@ -197,6 +202,7 @@ TOLERANCES = {
     "landmark_scores": (1e-4, 1e-7),
     "code_scores": (1e-4, 1e-7),
     "code_scores[tensor cores]": (1e-3, 1e-7),
+    "code_scores[tensor cores, masked]": (1e-3, 1e-7),
     # Weighted sums of bf16 values in another order, rounded to bf16: a unit in the last place of outputs up to ~1.
     "attend_parts": (1.6e-2, 8e-3),
     "attend_parts[plain]": (1.6e-2, 8e-3),

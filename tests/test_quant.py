@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shadowkv_cache.quant.higgs as higgs
-from shadowkv_cache.quant import GRID_POINTS, HiggsQuantizer, QuantizedVectors, gaussian_grid
+from shadowkv_cache.quant import GRID_POINTS, LATTICE, HiggsQuantizer, QuantizedVectors, gaussian_grid, lattice_points
 
 # Per-coordinate MSE of an optimal 256-point quantiser of N(0, I_p) is about 0.0083 / 0.096 / 0.31 for
 # p = 2 / 4 / 8 (4 / 2 / 1 bits); scalar Lloyd-Max at the same rate gives 0.0095 / 0.118 / 0.363.
@@ -149,3 +149,31 @@ def test_search_is_chunked(monkeypatch):
     monkeypatch.setattr(higgs, "_SEARCH_CHUNK", 7)
     monkeypatch.setattr(higgs, "_SEARCH_CHUNK_CPU", 7)
     assert torch.equal(q.quantize(x).codes, whole)
+
+
+def test_scoring_grid_is_on_the_int8_lattice_and_matches_only_lattice_grids():
+    """The 4-D grid (YAKV's scoring codes) holds multiples of 1/LATTICE within +-127/LATTICE, so the integer
+    tensor-core kernels read its points as exact int8 operands (`lattice_points`); a saved grid matches when it lies on
+    the lattice within one step of this one, and a grid of an earlier version (fp16 values off the lattice) does not."""
+    q = HiggsQuantizer(128, 4)
+    scaled = q.grid * LATTICE
+    assert torch.equal(scaled, scaled.round()) and scaled.abs().max() <= 127
+    words = lattice_points(q.grid)
+    assert words.shape == (256,) and words.dtype == torch.int32
+    assert torch.equal(words.view(torch.int8).view(256, 4).float(), scaled)  # coordinate i in byte i
+    assert lattice_points(q.grid) is words  # made once per grid tensor
+    with pytest.raises(ValueError, match="off that lattice"):
+        lattice_points(q.grid + 1 / (4 * LATTICE))
+    saved = q.identity()
+    assert q.matches(saved)
+    moved = dict(saved, grid=[v + (1 / LATTICE if i == 5 else 0) for i, v in enumerate(saved["grid"])])
+    assert q.matches(moved)  # a lattice step: another machine's last bits may round one point the other way
+    off = dict(saved, grid=[round(v + 3e-3, 6) for v in saved["grid"]])
+    assert not q.matches(off)  # fp16 points of grid version 3, say
+    far = dict(saved, grid=[v + (2 / LATTICE if i == 5 else 0) for i, v in enumerate(saved["grid"])])
+    assert not q.matches(far)
+    # On the lattice the grid keeps its distortion (0.09991 against 0.09989 for the same fit off it), on fresh
+    # samples too.
+    held_out = torch.randn(1 << 16, 4, generator=torch.Generator().manual_seed(7))
+    rounded_mse = (held_out - q.grid[higgs._nearest(held_out, q.grid)]).square().mean().item()
+    assert NEAR_OPTIMAL[4] < rounded_mse < NEAR_OPTIMAL[4] * 1.08

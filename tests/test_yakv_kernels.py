@@ -24,6 +24,7 @@ from shadowkv_cache.ops.gather_dequant import (
 from shadowkv_cache.ops.loader import kernels_available, load_kernels
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, quantize_vectors_reference
 from shadowkv_cache.ops.score_codes import _SOFTMAX_TILE, _THREADS, attention_scores, code_scores, code_scores_reference
+from shadowkv_cache.policies import QuantizedKeyTopK
 from shadowkv_cache.policies.shared_budget import SharedBudgetTopK
 from shadowkv_cache.quant import HiggsQuantizer, QuantizedVectors
 from shadowkv_cache.stores.quantized_store import QuantizedKVStore, pack_records
@@ -282,6 +283,29 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     picked = want[1:].gather(-1, got[1:].topk(k, dim=-1).indices)
     kth = want[1:].topk(k, dim=-1).values[..., -1:]
     assert bool((picked >= kth * (1 - 1e-3) - 1e-6 * want.amax()).all())
+
+
+@pytest.mark.parametrize("group, dim", [(3, 128), (4, 64), (6, 128), (8, 256)])
+def test_masked_code_scores_are_minus_infinity_where_not_selectable(group, dim, monkeypatch):
+    """`masked=True`, what `QuantizedKeyTopK`'s top-k reads: the tensor-core kernels write -inf for tokens that are not
+    selectable as they write the scores (no pass over them), and the twin's scores elsewhere; the policy's masked scores
+    are these."""
+    calls = spy_on_tensor_cores(monkeypatch)
+    torch.manual_seed(6)
+    batch, kv_heads, num = 2, 3, 2333
+    quantizer = HiggsQuantizer(dim, 4)
+    codes, norms = scoring_state(batch, kv_heads, num, quantizer)
+    query = torch.randn(batch, kv_heads * group, 1, dim, device=CUDA, dtype=torch.bfloat16)
+    selectable = torch.rand(batch, kv_heads, num, device=CUDA) < 0.6
+    selectable[1, 2] = False  # a head with nothing selectable
+    got = code_scores(query, codes, norms, selectable, quantizer, dim**-0.5, masked=True)
+    assert calls == [1]
+    want = code_scores_reference(query, codes, norms, selectable, quantizer, dim**-0.5)
+    assert bool(got[~selectable].eq(float("-inf")).all())
+    torch.testing.assert_close(got[selectable], want[selectable], rtol=1e-3, atol=1e-6 * want.amax().item())
+    policy = QuantizedKeyTopK()
+    state = {"codes": codes, "norms": norms}
+    assert torch.equal(policy.masked_scores(query, state, selectable, dim**-0.5), got)
 
 
 def tile_states(logits: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:

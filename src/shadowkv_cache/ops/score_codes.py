@@ -10,11 +10,11 @@ block stays bounded whatever N.
 
 `code_scores` is what `QuantizedKeyTopK` ranks tokens by: the softmax over tokens of those logits, summed over
 query tokens, max over the query heads of each GQA group. `code_scores_reference` defines it. For one query token
-on CUDA, `kernels/score_codes.cu` computes it: on tensor cores (sm_80+, grid dim 4, D in {64, 128, 256}) in one
-pass over the codes that keeps per-tile softmax states and each logit as an fp16 exponential relative to its 16-token
-group's max (2^-11 relative), then a kernel that turns those into the scores, with no fp32 logits in HBM;
-otherwise an fp32 kernel writes fp32 logits with per-tile states and `softmax_group_max` (softmax_group_max.cu)
-normalises them and takes the group max.
+on CUDA, `kernels/score_codes.cu` computes it: on integer tensor cores (sm_80+, grid dim 4, whose points are
+multiples of 1/32, D in {64, 128, 256}) in one pass over the codes that keeps per-tile softmax states and each logit
+as an fp16 exponential relative to its 16-token group's max (2^-11 relative), then a kernel that turns those into
+the scores, with no fp32 logits in HBM; otherwise an fp32 kernel writes fp32 logits with per-tile states and
+`softmax_group_max` (softmax_group_max.cu) normalises them and takes the group max.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..quant import HiggsQuantizer
+from ..quant import HiggsQuantizer, lattice_points
 from .library import define_op
 from .loader import kernels_available, load_kernels
 
@@ -107,7 +107,7 @@ _THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
 # exponentials: 256 threads, 2048 tokens per block (FINISH_TILE).
 _MMA_THREADS, _MMA_TILE = 128, 2048
 _FINISH_THREADS, _FINISH_TILE = 256, 2048
-_MMA_K_TILES = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
+_MMA_CODES_PER_THREAD = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
 # D = 128's tensor-core grid: (blocks per SM its registers are budgeted for, stages of its code ring), compiled in
 # (score_codes.cu's MMA_MIN_BLOCKS_K8, MMA_DEPTH_K8); benchmarks/scoring.py compares settings.
 MMA_K8_GRID = (4, 5)
@@ -133,12 +133,12 @@ def _has_mma(index: int) -> bool:
 
 
 def _tensor_cores(device: torch.device, grid_dim: int, m: int, codes: torch.Tensor) -> bool:
-    k_tiles = m // 4
+    per_thread = m // 4
     return (
         grid_dim == 4
         and m % 4 == 0
-        and k_tiles in _MMA_K_TILES
-        and all(x % k_tiles == 0 for x in (codes.data_ptr(), codes.stride(0)))
+        and per_thread in _MMA_CODES_PER_THREAD
+        and all(x % per_thread == 0 for x in (codes.data_ptr(), codes.stride(0)))
         and _has_mma(device.index if device.index is not None else torch.cuda.current_device())
     )
 
@@ -157,14 +157,17 @@ def code_scores(
     quantizer: HiggsQuantizer,
     scaling: float,
     tensor_cores: bool = True,
+    masked: bool = False,
 ) -> torch.Tensor:
-    """Same as `code_scores_reference`; the kernels for one query token on CUDA, the twin otherwise.
+    """Same as `code_scores_reference`; the kernels for one query token on CUDA, the twin otherwise. `masked`: -inf
+    instead of 0 where not selectable (what a top-k takes; the tensor-core kernels write it with no extra pass).
 
     The kernels sum each dot product in another order than the twin's table (fp32 round-off of a D-term sum)
-    and exponentiate with `__expf`: the fp32 kernel is equal to ~1e-5 relative. The tensor-core kernels keep each
-    logit as an fp16 exponential relative to its 16-token group's max: 2^-11 relative (plus `__expf`'s ~1e-5) where
-    that exponential is at least 2^-29, within 2^-39 absolute below. `tensor_cores=False` keeps to the fp32 kernel
-    (the tests compare both with the twin).
+    and exponentiate with `__expf`: the fp32 kernel is equal to ~1e-5 relative. The tensor-core kernels round each
+    query head to a 24-bit integer (2^-24 of its largest coordinate) and keep each logit as an fp16 exponential
+    relative to its 16-token group's max: 2^-11 relative (plus `ex2`'s ~1e-6) where that exponential is at least
+    2^-29, within 2^-39 absolute below. `tensor_cores=False` keeps to the fp32 kernel (the tests compare both with
+    the twin).
     """
     batch, heads, num, m = codes.shape
     q_heads, q_len, dim = query.shape[1:]
@@ -189,11 +192,13 @@ def code_scores(
         and selectable.dtype == torch.bool
         and selectable.stride(2) == 1
     ):
-        return code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+        scores = code_scores_reference(query, codes, norms, selectable, quantizer, scaling)
+        return scores.masked_fill(~selectable, float("-inf")) if masked else scores
     rotated = quantizer.rotate(query.reshape(batch, heads, group, dim)).contiguous()  # [B, Hkv, G, D] fp32
     grid, _ = quantizer.device_tables(query.device)
     mma = tensor_cores and _tensor_cores(query.device, p, m, codes)
-    return code_scores_op(rotated, codes, norms, selectable, grid, scaling, mma)
+    fill = float("-inf") if masked else 0.0
+    return code_scores_op(rotated, codes, norms, selectable, grid, scaling, mma, fill)
 
 
 def _code_scores_twin(
@@ -204,20 +209,23 @@ def _code_scores_twin(
     grid: torch.Tensor,
     scaling: float,
     tensor_cores: bool,
+    fill: float = 0.0,
 ) -> torch.Tensor:
-    """`code_scores_reference` from the rotated queries and the grid (one query token)."""
+    """`code_scores_reference` from the rotated queries and the grid (one query token), `fill` where not
+    selectable."""
     group, dim = rotated.shape[2:]
     table = rotated.float().unflatten(-1, (dim // grid.shape[-1], grid.shape[-1])) @ grid.float().T
-    return attention_scores(score_codes(table, codes, norms, dim) * scaling, selectable, group)
+    scores = attention_scores(score_codes(table, codes, norms, dim) * scaling, selectable, group)
+    return scores if fill == 0.0 else scores.masked_fill(~selectable, fill)
 
 
-def _scores_like(rotated, codes, norms, selectable, grid, scaling, tensor_cores) -> torch.Tensor:
+def _scores_like(rotated, codes, norms, selectable, grid, scaling, tensor_cores, fill=0.0) -> torch.Tensor:
     return torch.empty(codes.shape[:3], dtype=torch.float32, device=codes.device)
 
 
 @define_op(
     "code_scores(Tensor rotated, Tensor codes, Tensor norms, Tensor selectable, Tensor grid, float scaling, "
-    "bool tensor_cores) -> Tensor",
+    "bool tensor_cores, float fill=0.) -> Tensor",
     cpu=_code_scores_twin,
     fake=_scores_like,
 )
@@ -229,15 +237,19 @@ def code_scores_op(
     grid: torch.Tensor,
     scaling: float,
     tensor_cores: bool,
+    fill: float = 0.0,
 ) -> torch.Tensor:
     """`torch.ops.shadowkv.code_scores`: scores `[B, Hkv, N]` fp32 through the kernels, on what `code_scores`
     checked: `rotated` `[B, Hkv, G, D]` fp32 contiguous (the rotated queries of one token), `grid` `[256, p]` on the
-    device; the tensor-core kernels where `tensor_cores`, else the fp32 kernel and `softmax_group_max`."""
+    device; the tensor-core kernels where `tensor_cores` (a 4-D grid on the 1/32 lattice: `lattice_points`), else the
+    fp32 kernel and `softmax_group_max`. `fill` is the score of tokens that are not selectable (0, or -inf for a
+    top-k)."""
     batch, heads, group, dim = rotated.shape
     num, m = codes.shape[2:]
     inputs = _input_args(rotated, codes, norms, selectable, grid, scaling, dim)
     if tensor_cores:
-        return _code_scores_mma(inputs, (batch, heads, group, num, m), rotated.device)
+        inputs[8] = lattice_points(grid)  # the integer kernels read the grid as int8 points
+        return _code_scores_mma(inputs, (batch, heads, group, num, m), rotated.device, fill)
     p = grid.shape[-1]
     device = rotated.device
     tiles = -(-num // _TILE)
@@ -258,13 +270,16 @@ def code_scores_op(
         block=(_THREADS, 1, 1),
         args=[scores, logits, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
     )
-    return scores
+    return scores if fill == 0.0 else scores.masked_fill_(~selectable, fill)
 
 
-def _code_scores_mma(inputs: list, shape: tuple[int, int, int, int, int], device: torch.device) -> torch.Tensor:
-    """The tensor-core kernels' scores `[B, Hkv, N]` fp32 from the launch arguments `_input_args` built of what
-    `code_scores` checked; `shape` is `(B, Hkv, G, N, M)`. One pass over the codes writes per-tile states and fp16
-    exponentials relative to each 16-token group's max; the second kernel reads those, not the codes."""
+def _code_scores_mma(
+    inputs: list, shape: tuple[int, int, int, int, int], device: torch.device, fill: float = 0.0
+) -> torch.Tensor:
+    """The tensor-core kernels' scores `[B, Hkv, N]` fp32 (`fill` where not selectable) from the launch arguments
+    `_input_args` built of what `code_scores` checked, the grid replaced by `lattice_points`; `shape` is
+    `(B, Hkv, G, N, M)`. One pass over the codes writes per-tile states and fp16 exponentials relative to each 16-token
+    group's max; the second kernel reads those, not the codes."""
     batch, heads, group, num, m = shape
     tiles = -(-num // _MMA_TILE)
     pairs = -(-group // 2)  # query heads rounded up to even, as pairs of fp16 in int32 words
@@ -276,16 +291,17 @@ def _code_scores_mma(inputs: list, shape: tuple[int, int, int, int, int], device
     i32 = ctypes.c_int
     kernels = _kernels(device)
     kernels.launch(
-        f"code_states_mma_k{m // 4}",
+        f"code_states_mma_k{m // 4}_g{4 if group <= 4 else 8}",  # two MMAs per k-tile up to 4 query heads, else three
         grid=(tiles, heads, batch),
         block=(_MMA_THREADS, 1, 1),
         args=[part_max, part_sum, exps, group_max, *inputs, (heads, i32), (group, i32), (num, i32)],
     )
+    fill32 = (float(fill), ctypes.c_float)
     kernels.launch(
         "code_scores_finish",
         grid=(-(-num // _FINISH_TILE), heads, batch),
         block=(_FINISH_THREADS, 1, 1),
-        args=[scores, exps, group_max, part_max, part_sum, (heads, i32), (group, i32), (num, i32), (tiles, i32)],
+        args=[*(scores, exps, group_max, part_max, part_sum), *((x, i32) for x in (heads, group, num, tiles)), fill32],
     )
     return scores
 

@@ -48,3 +48,18 @@ class QuantizedKeyTopK(SelectionPolicy):
         self, query: torch.Tensor, state: dict[str, torch.Tensor], selectable: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         return code_scores(query, state["codes"], state["norms"], selectable, self.quantizer(query.shape[-1]), scaling)
+
+    def masked_scores(
+        self,
+        query: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        selectable: torch.Tensor,
+        scaling: float,
+        query_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # A subclass that scores otherwise keeps the base class's masking of its own `score`.
+        if query_mask is not None or type(self).score is not QuantizedKeyTopK.score:
+            return super().masked_scores(query, state, selectable, scaling, query_mask)
+        # -inf where not selectable as the scores are written (the tensor-core kernels), not in a pass over them.
+        quantizer = self.quantizer(query.shape[-1])
+        return code_scores(query, state["codes"], state["norms"], selectable, quantizer, scaling, masked=True)

@@ -10,8 +10,8 @@ bits per value (4.125 / 2.125 / 1.125 at D = 128 for p = 2 / 4 / 8).
 
 Grids are built here, deterministically from a seed (nothing is downloaded), cached in memory and, when
 the cache directory is writable, on disk as a few KiB per grid. The points of 4-D grids (YAKV's scoring codes) are
-rounded to fp16 values (a change of at most 2^-11 relative, far below the grid's distortion), so that the scoring
-kernels feed them to fp16 tensor cores exactly (kernels/score_codes.cu); other grids are kept as fitted.
+rounded to multiples of 1/32 (quant/lattice.py), so that the scoring kernels multiply codes on integer tensor cores
+exactly (kernels/score_codes.cu); other grids are kept as fitted.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..paths import cache_dir
+from .lattice import LATTICE, to_lattice
 
 __all__ = [
     "GRID_DIMS",
@@ -46,8 +47,8 @@ GRID_DIMS = (2, 4, 8)
 _FIT_SAMPLES = 1 << 15
 _FIT_ITERS = 40
 _EVAL_SAMPLES = 1 << 16
-_GRID_VERSION = 3
-_FP16_GRID_DIMS = (4,)  # grids whose points are rounded to fp16 values (the tensor-core scoring kernels read them)
+_GRID_VERSION = 4
+_LATTICE_GRID_DIMS = (4,)  # grids whose points are on the 1/32 lattice (quant/lattice.py): the scoring codes'
 # Nearest-point search works on this many sub-vectors at a time: the distance block is at most
 # 2^17 x 256 float32 = 128 MiB whatever the input size. On the CPU a 4 MiB block stays in cache between the
 # matmul and the argmin (measured 2.5x faster on one core than 2^17 rows).
@@ -117,8 +118,8 @@ def _fit_grid(dim: int, seed: int) -> tuple[torch.Tensor, float]:
         counts = torch.bincount(assign, minlength=GRID_POINTS).to(grid.dtype)
         filled = counts > 0  # an empty cell keeps its point
         grid[filled] = sums[filled] / counts[filled, None]
-    if dim in _FP16_GRID_DIMS:
-        grid = grid.to(torch.float16).float()  # exact for fp16 tensor cores; the distortion is measured after
+    if dim in _LATTICE_GRID_DIMS:  # exact int8 for the integer tensor cores; the distortion is measured after
+        grid = to_lattice(grid)
     held_out = torch.randn(_EVAL_SAMPLES, dim, generator=gen)
     mse = (held_out - grid[_nearest(held_out, grid)]).square().mean().item()
     return grid, mse
@@ -174,8 +175,8 @@ class HiggsQuantizer:
         seed (`int`): seeds both the sign flip of the rotation and the grid fit.
 
     Attributes:
-        grid (`torch.Tensor`): `[256, p]` float32, the grid points (fp16 values at p = 4; CPU; copies per device
-            are cached).
+        grid (`torch.Tensor`): `[256, p]` float32, the grid points (multiples of 1/`LATTICE` at p = 4; CPU; copies
+            per device are cached).
         expected_distortion (`float`): the grid's per-coordinate MSE on N(0, 1) samples, i.e. about the
             relative squared error `||x - x_hat||^2 / ||x||^2` of a round trip (a little above it at p = 2).
 
@@ -209,21 +210,26 @@ class HiggsQuantizer:
 
     def matches(self, saved: object) -> bool:
         """Whether codes made by the quantiser of `identity() == saved` decode correctly with this one. The grid is a
-        Lloyd fit in float32 that other machines may round differently in its last bits, and at p = 4 such a
-        difference can move a point by one fp16 step: each point may differ by 1e-4 plus one fp16 step (2^-10
-        relative); another grid differs by far more."""
+        Lloyd fit in float32 that other machines may round differently in its last bits, which can move a point by
+        one rounding step: at p = 4 the saved points must lie on the lattice (multiples of 1/`LATTICE`, which the
+        grids of earlier versions do not) and each may be one lattice step away; other grids' points may differ by
+        1e-4 plus one fp16 step (2^-10 relative). Another grid differs by far more."""
         if not isinstance(saved, dict):
             return False
         mine = self.identity()
         grid = saved.get("grid")
-        return (
+        if not (
             {k: v for k, v in saved.items() if k != "grid"} == {k: v for k, v in mine.items() if k != "grid"}
             and isinstance(grid, list)
             and len(grid) == len(mine["grid"])
-            and all(
-                isinstance(a, int | float) and abs(a - b) <= 1e-4 + abs(b) * 2**-10 for a, b in zip(grid, mine["grid"])
+            and all(isinstance(a, int | float) for a in grid)
+        ):
+            return False
+        if self.grid_dim in _LATTICE_GRID_DIMS:
+            return all(abs(a * LATTICE - round(a * LATTICE)) <= 1e-4 for a in grid) and all(
+                abs(a - b) <= 1e-4 + 1 / LATTICE for a, b in zip(grid, mine["grid"])
             )
-        )
+        return all(abs(a - b) <= 1e-4 + abs(b) * 2**-10 for a, b in zip(grid, mine["grid"]))
 
     @property
     def bits_per_value(self) -> float:
