@@ -69,3 +69,93 @@ extern "C" __global__ void temporal_scan(long long* ids, const long long* wanted
         }
     }
 }
+
+// ---- Long rows (YAKV's selected tokens): membership by bitmaps ---------------------------------------------------------
+//
+// Why: the pairwise kernel above compares K^2 pairs, and above ~1K slots the step took the sorted scan (two sorts, two
+// binary searches, two cumulative sums and a scatter in PyTorch: ~9 ms of a 105 ms YAKV step at 128K and batch 22 on an
+// H200). The units a row selects are indices below `units` (YAKV: its tokens), so membership is one bit of a bitmap in
+// shared memory: the wanted units' bitmap says which slots keep their unit, the held units' bitmap which wanted units are
+// new, and two block-wide scans in slot and wanted order give each new unit its free slot, as the twin orders them.
+
+/// \brief Exclusive rank of this thread's `flag` among the block's threads (in thread order), and the block's count;
+/// every thread of the block calls it. `warp_counts` is [32] shared scratch.
+__device__ __forceinline__ int block_rank(bool flag, int* warp_counts, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0;
+    total = 0;
+    for (int w = 0; w < warps; ++w) {
+        const int c = warp_counts[w];
+        before += w < warp ? c : 0;
+        total += c;
+    }
+    __syncthreads();  // warp_counts is reused by the next call
+    return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+/// \brief `temporal_scan` for rows of many slots whose units are below `units`: one block per (row, head), the wanted
+///        and held units as bitmaps in shared memory; in place, as the pairwise kernel.
+///
+/// \param ids, wanted, valid, miss  as `temporal_scan`'s (ids and valid wanted entries in [0, units))
+/// \param fresh   [B*Hkv, K] int32 scratch: the new units of each row, in wanted order
+/// \param K       slots per head; \param units  the units ids index (YAKV: the prompt's tokens)
+/// Launch: grid B*Hkv, block 1024, dynamic shared memory 8 * ceil(units / 32) bytes (two bitmaps).
+extern "C" __global__ void __launch_bounds__(1024) temporal_scan_bitmap(long long* ids, const long long* wanted,
+                                                                       const bool* valid, bool* miss, int* fresh,
+                                                                       int K, int units) {
+    extern __shared__ unsigned bits[];
+    __shared__ int warp_counts[32];
+    const int words = (units + 31) >> 5;
+    unsigned* want_bits = bits;         // [words] units wanted this step (valid entries)
+    unsigned* held_bits = bits + words;  // [words] units held before this step
+    const size_t base = (size_t)blockIdx.x * K;
+    for (int i = threadIdx.x; i < 2 * words; i += blockDim.x) bits[i] = 0u;
+    __syncthreads();
+    for (int s = threadIdx.x; s < K; s += blockDim.x) {
+        if (valid[base + s]) {
+            const int w = (int)wanted[base + s];
+            atomicOr(&want_bits[w >> 5], 1u << (w & 31));
+        }
+        const long long o = ids[base + s];
+        if (o >= 0) atomicOr(&held_bits[o >> 5], 1u << (o & 31));
+    }
+    __syncthreads();
+    // The new units (wanted, not held) in wanted order, into `fresh`.
+    int num_new = 0;
+    for (int s0 = 0; s0 < K; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        int w = -1;
+        bool is_new = false;
+        if (s < K && valid[base + s]) {
+            w = (int)wanted[base + s];
+            is_new = !((held_bits[w >> 5] >> (w & 31)) & 1u);
+        }
+        int count;
+        const int rank = block_rank(is_new, warp_counts, count);
+        if (is_new) fresh[base + num_new + rank] = w;
+        num_new += count;
+    }
+    __syncthreads();  // `fresh` is read below by other threads of the block
+    // Each free slot (its unit not wanted again, or empty) in slot order takes the next new unit, or becomes empty.
+    int taken = 0;
+    for (int s0 = 0; s0 < K; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        bool is_free = false;
+        if (s < K) {
+            const long long o = ids[base + s];
+            is_free = !(o >= 0 && ((want_bits[o >> 5] >> (o & 31)) & 1u));
+        }
+        int count;
+        const int rank = block_rank(is_free, warp_counts, count);
+        if (s < K) {
+            const int r = taken + rank;
+            const bool takes = is_free && r < num_new;
+            if (is_free) ids[base + s] = takes ? (long long)fresh[base + r] : -1LL;
+            miss[base + s] = takes;
+        }
+        taken += count;
+    }
+}

@@ -60,6 +60,31 @@ def test_temporal_scan_kernel_matches_twin(batch, heads, slots, chunks):
         assert torch.equal(got_miss.cpu(), ref_miss)
 
 
+@pytest.mark.parametrize(
+    "batch, heads, slots, units",
+    [(1, 1, 1025, 1025), (2, 3, 1100, 1500), (2, 8, 4096, 131072), (1, 2, 1031, 1000000), (3, 1, 3000, 40000)],
+)
+def test_temporal_scan_bitmap_kernel_matches_twin(batch, heads, slots, units, monkeypatch):
+    """Rows of more than QUADRATIC_SLOTS slots whose units are known (YAKV's tokens): the bitmap kernel, checked to be
+    what ran, holds exactly what the twin holds, in the same slots, in place; where its bitmaps would not fit shared
+    memory (a million units: 250 KB) the sorted scan runs, with the same result."""
+    import shadowkv_cache.ops.temporal_scan as scan
+
+    calls = []
+    real = scan.temporal_scan_op
+    monkeypatch.setattr(scan, "temporal_scan_op", lambda *a: calls.append(a[3:]) or real(*a))
+    for seed in range(3):
+        ids, wanted, valid = random_scan_case(batch, heads, slots, units, seed)
+        ref_ids, ref_miss = temporal_scan_reference(ids, wanted, valid)
+        held = ids.cuda()
+        got_ids, got_miss = scan.temporal_scan(held, wanted.cuda(), valid.cuda(), units=units)
+        assert got_ids is held
+        assert torch.equal(got_ids.cpu(), ref_ids)
+        assert torch.equal(got_miss.cpu(), ref_miss)
+    assert calls == ([(units,)] * 3 if scan._bitmap_fits(units, CUDA) else [])
+    assert scan._bitmap_fits(131072, CUDA) and not scan._bitmap_fits(1000000, CUDA)
+
+
 def llama3_rope():
     """A real rotate-half RoPE with Llama-3 frequency scaling and a large theta, on the GPU."""
     model = make_tiny_model(

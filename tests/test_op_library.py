@@ -177,6 +177,8 @@ SAMPLES = {
 }
 # More paths of the same operators: (operator, sample)
 VARIANTS = {
+    # The bitmap kernel of long rows (the units the ids index: 12 here).
+    "temporal_scan[bitmap]": ("temporal_scan", lambda d, g: (*_scan(d, g), 12)),
     "rope_missed[interleaved]": ("rope_missed", lambda d, g: _rope(d, g, rotary=64, interleaved=True)),
     "rope_missed[no rope]": ("rope_missed", lambda d, g: _rope(d, g, rotary=0)),
     "rebuild_missed[interleaved, shared]": (

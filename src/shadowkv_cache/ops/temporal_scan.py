@@ -6,10 +6,12 @@ Held keys and values never move: a slot keeps its chunk while that chunk is stil
 wanted chunk takes a freed slot (the m-th new chunk in wanted order goes to the m-th free slot in slot
 order); free slots left over become empty (-1). Fixed-size outputs, so nothing here waits for the host.
 
-Three implementations of one meaning: `temporal_scan_reference` (the definition: every slot against every wanted
-entry, O(K^2) memory), `kernels/temporal_scan.cu` (the same comparisons in shared memory, one block per head: fast
-for ShadowKV's few hundred chunks) and `temporal_scan_sorted` (membership by sorting and binary search, O(K log K):
-YAKV's thousands of tokens per head, and wherever the kernel does not run; no host synchronisation).
+Four implementations of one meaning: `temporal_scan_reference` (the definition: every slot against every wanted
+entry, O(K^2) memory), `kernels/temporal_scan.cu`'s pairwise kernel (the same comparisons in shared memory, one
+block per head: fast for ShadowKV's few hundred chunks), its bitmap kernel (membership as bits of the units' bitmaps
+in shared memory, O(K + units/32): YAKV's thousands of tokens per head, whose units are its prompt tokens) and
+`temporal_scan_sorted` (membership by sorting and binary search, O(K log K): wherever no kernel runs; no host
+synchronisation).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 import torch
 
 from .library import define_op
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, max_shared_bytes
 
 __all__ = ["QUADRATIC_SLOTS", "temporal_scan", "temporal_scan_op", "temporal_scan_reference", "temporal_scan_sorted"]
 
@@ -76,42 +78,74 @@ def temporal_scan_sorted(
     return ids, takes
 
 
-def temporal_scan(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def temporal_scan(
+    ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor, units: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Update the held chunk ids for this step's selection; returns `(ids, miss)`.
 
     Args:
-        ids (`torch.Tensor`): `[B, Hkv, K]` int64, chunk held by each slot (-1 = empty). The kernel and the sorted
+        ids (`torch.Tensor`): `[B, Hkv, K]` int64, chunk held by each slot (-1 = empty). The kernels and the sorted
             scan update it in place and return it; the twin returns a new tensor.
         wanted (`torch.Tensor`): `[B, Hkv, K]` int64, chunks selected this step (distinct where valid).
         valid (`torch.Tensor`): `[B, Hkv, K]` bool, which entries of `wanted` count.
+        units (`int`, *optional*): how many units the ids index (all held and valid wanted ids are below it); with it,
+            rows of more than `QUADRATIC_SLOTS` slots take the bitmap kernel where its bitmaps fit shared memory.
     """
     num_slots = ids.shape[-1]
     if num_slots == 0:
         return temporal_scan_reference(ids, wanted, valid)
-    if num_slots > QUADRATIC_SLOTS or not (kernels_available(ids.device) and ids.is_contiguous()):
+    kernel = kernels_available(ids.device) and ids.is_contiguous()
+    if kernel and num_slots > QUADRATIC_SLOTS and units is not None and _bitmap_fits(units, ids.device):
+        return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous(), units)
+    if num_slots > QUADRATIC_SLOTS or not kernel:
         return temporal_scan_sorted(ids, wanted, valid)  # the twin's result without its K^2 comparisons
     return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous())
 
 
-def _miss_like(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _bitmap_bytes(units: int) -> int:
+    return 8 * -(-units // 32)  # two bitmaps of ceil(units / 32) words
+
+
+def _bitmap_fits(units: int, device: torch.device) -> bool:
+    """Whether the bitmap kernel's two bitmaps of `units` bits fit the device's shared memory (beside its own 128
+    static bytes)."""
+    return 0 < units < 2**31 and _bitmap_bytes(units) + 128 <= max_shared_bytes(device)
+
+
+def _miss_like(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor, units: int = 0) -> torch.Tensor:
     return torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
 
 
 @define_op(
-    "temporal_scan(Tensor(a!) ids, Tensor wanted, Tensor valid) -> Tensor",
-    cpu=lambda ids, wanted, valid: temporal_scan_sorted(ids, wanted, valid)[1],
+    "temporal_scan(Tensor(a!) ids, Tensor wanted, Tensor valid, int units=0) -> Tensor",
+    cpu=lambda ids, wanted, valid, units=0: temporal_scan_sorted(ids, wanted, valid)[1],
     fake=_miss_like,
 )
-def temporal_scan_op(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`torch.ops.shadowkv.temporal_scan`: the kernel (contiguous inputs, at most 2048 slots); updates `ids` in place
-    and returns `miss`."""
+def temporal_scan_op(ids: torch.Tensor, wanted: torch.Tensor, valid: torch.Tensor, units: int = 0) -> torch.Tensor:
+    """`torch.ops.shadowkv.temporal_scan`: a kernel on contiguous inputs; updates `ids` in place and returns `miss`.
+    `units` 0: the pairwise kernel (at most 2048 slots); else the bitmap kernel, every id below `units` (bitmaps of
+    `units` bits in shared memory)."""
     num_slots = ids.shape[-1]
+    rows = ids.numel() // max(num_slots, 1)
+    kernels = load_kernels("temporal_scan", ids.device)
+    miss = _miss_like(ids, wanted, valid)
+    if units:
+        torch._check(0 < units < 2**31, lambda: f"the bitmap scan takes 0 < units < 2^31, got {units}")
+        shared = _bitmap_bytes(units)
+        if rows and num_slots:
+            fresh = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+            kernels.set_max_dynamic_shared("temporal_scan_bitmap", shared)
+            kernels.launch(
+                "temporal_scan_bitmap",
+                grid=(rows, 1, 1),
+                block=(1024, 1, 1),
+                args=[ids, wanted, valid, miss, fresh, (num_slots, ctypes.c_int), (units, ctypes.c_int)],
+                shared_bytes=shared,
+            )
+        return miss
     torch._check(
         0 < num_slots <= _MAX_SLOTS, lambda: f"the temporal_scan kernel takes 1 to {_MAX_SLOTS} slots, got {num_slots}"
     )
-    kernels = load_kernels("temporal_scan", ids.device)
-    miss = _miss_like(ids, wanted, valid)
-    rows = ids.numel() // num_slots
     if rows:
         kernels.launch(
             "temporal_scan",

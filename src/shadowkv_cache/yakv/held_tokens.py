@@ -83,7 +83,7 @@ class HeldTokens:
         """Hold the tokens `wanted` (`[B, Hkv, K]` int64, distinct where `valid` `[B, Hkv, K]` bool): keep the ones
         already held, fetch and dequantise the rest into freed slots. Returns the records fetched (a device
         scalar)."""
-        self.ids, missed = temporal_scan(self.ids, wanted, valid)
+        self.ids, missed = temporal_scan(self.ids, wanted, valid, units=store.data.shape[2])
         gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
         selected, fetched = valid.sum(), missed.sum()
         self.hits += (selected - fetched).clamp(min=0)
