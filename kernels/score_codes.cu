@@ -216,7 +216,7 @@ CODE_LOGITS_ALL_G(8)
 #define MMA_MIN_BLOCKS_K8 4
 #endif
 #ifndef MMA_DEPTH_K8
-#define MMA_DEPTH_K8 5
+#define MMA_DEPTH_K8 3
 #endif
 #define MMA_TILE 2048   // tokens per block (score_codes.py's _MMA_TILE)
 #define MMA_COPIES 32  // copies of the int8 grid in shared memory, one per lane: no bank conflicts
