@@ -3,7 +3,8 @@
 The points of YAKV's scoring grid (256 points of 4 coordinates, quant/higgs.py) are multiples of 1/`LATTICE`
 within +-127/`LATTICE`, so `LATTICE * g` is an int8 exactly: the scoring kernels (kernels/score_codes.cu) multiply a
 code's point by the query on integer tensor cores and compute what the twin's float products compute. Rounding the
-Lloyd fit onto the lattice moves each coordinate by at most 1/64, which raises the grid's distortion by 0.03%.
+Lloyd fit onto the lattice moves each coordinate by at most 1/64, which raises the grid's distortion by 0.02%
+(0.09991 against 0.09989 per coordinate).
 """
 
 from __future__ import annotations
