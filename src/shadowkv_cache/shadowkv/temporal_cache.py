@@ -22,15 +22,18 @@ from .prompt import CompressedPrompt
 
 __all__ = ["TemporalCache"]
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One fetch stream per device, shared by all caches."""
+def _side_stream(device: torch.device, main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The fetch stream of steps that run on `main`: one per device and main stream, shared by all caches, so steps
+    driven from two streams (two requests, two halves of a batch in one graph) fetch side by side, not one after the
+    other on a shared stream."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    key = (index, main.cuda_stream)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[key]
 
 
 class TemporalCache:
@@ -72,7 +75,7 @@ class TemporalCache:
         self.ids, miss = temporal_scan(self.ids, wanted, self.valid)
         if self.keys.is_cuda:
             main = torch.cuda.current_stream(self.keys.device)
-            side = _side_stream(self.keys.device)
+            side = _side_stream(self.keys.device, main)
             if self._events is None:
                 self._events = (torch.cuda.Event(), torch.cuda.Event())
             scanned, fetched = self._events
