@@ -145,12 +145,25 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) <
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-/// \brief Online (max, sum of exp) of two partial softmax states.
+/// \brief 2^x, flushed to 0 below 2^-126 (one MUFU.EX2; -inf gives 0).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/// \brief Online (max, sum of exp) of two partial softmax states. `BASE2`: states of base-2 logits (l = logit *
+/// log2 e; sums of 2^(l - max)), merged with one `ex2` per term instead of `__expf`'s multiply and range handling.
+template <bool BASE2 = false>
 __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float s2) {
     if (m2 == NEG_INF) return;
     if (m == NEG_INF) { m = m2; s = s2; return; }
     const float hi = fmaxf(m, m2);
-    s = s * __expf(m - hi) + s2 * __expf(m2 - hi);
+    if constexpr (BASE2) {
+        s = s * exp2_ftz(m - hi) + s2 * exp2_ftz(m2 - hi);
+    } else {
+        s = s * __expf(m - hi) + s2 * __expf(m2 - hi);
+    }
     m = hi;
 }
 

@@ -223,23 +223,6 @@ CODE_LOGITS_ALL_G(8)
 #define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN, and cvt writes NaN as 0x7fff
 #define Q24_MAX 8323072.f      // 2^23 - 2^16: the largest |q24|, whose three digits stay in int8
 
-/// \brief 2^x, flushed to 0 below 2^-126 (one MUFU.EX2; -inf gives 0). The tensor-core pass keeps logits in base 2
-/// (times log2 e), so its exponentials need no extra multiply and no range handling.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/// \brief `merge_state` (common.cuh) of states kept in base 2: (max, sum of 2^(l - max)).
-__device__ __forceinline__ void merge_state2(float& m, float& s, float m2, float s2) {
-    if (m2 == NEG_INF) return;
-    if (m == NEG_INF) { m = m2; s = s2; return; }
-    const float hi = fmaxf(m, m2);
-    s = s * exp2_ftz(m - hi) + s2 * exp2_ftz(m2 - hi);
-    m = hi;
-}
-
 /// \brief Add a group of base-2 logits, given as their max `g` and the sum of 2^(logit - g), to a base-2 softmax
 /// state; a group with nothing selectable (g = -inf) adds nothing.
 __device__ __forceinline__ void add_group2(float& m, float& s, float g, float sum) {
@@ -491,8 +474,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
 
     // The quad's columns over the warp's 8 row groups, then over the block's warps.
     for (int off = 4; off < 32; off <<= 1) {
-        merge_state2(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
-        merge_state2(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
+        merge_state<true>(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
+        merge_state<true>(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
     }
     if (gid == 0 && (!PACKED || tq < 2)) {
         wm[warp][col0] = m0; ws[warp][col0] = s0;
@@ -502,7 +485,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     if (threadIdx.x < G) {
         float mm = NEG_INF, ss = 0.f;
 #pragma unroll
-        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state2(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
+        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state<true>(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
         const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
         part_max[p] = mm;
         part_sum[p] = ss;
@@ -551,9 +534,9 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
     for (int g = warp; g < G; g += FINISH_THREADS / 32) {
         float mm = NEG_INF, ss = 0.f;
         const size_t p = (rh * G + g) * n_tiles;
-        for (int t = lane; t < n_tiles; t += 32) merge_state2(mm, ss, part_max[p + t], part_sum[p + t]);
+        for (int t = lane; t < n_tiles; t += 32) merge_state<true>(mm, ss, part_max[p + t], part_sum[p + t]);
         for (int off = 16; off > 0; off >>= 1)
-            merge_state2(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
+            merge_state<true>(mm, ss, __shfl_xor_sync(0xffffffffu, mm, off), __shfl_xor_sync(0xffffffffu, ss, off));
         if (lane == 0) { gm[g] = mm; rs[g] = 1.f / ss; }
     }
     __syncthreads();
