@@ -42,6 +42,7 @@ from benchmarks.speed import (
     generate_times,
     log,
 )
+from benchmarks.timeline import kernel_intervals, timeline_summary
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
 from shadowkv_cache.policies.landmark_topk import LANDMARK_FORMATS
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
@@ -119,12 +120,13 @@ def main() -> None:
             log(f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
                 f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}, "
                 f"landmarks {landmarks}")  # fmt: skip
-    kernels = [] if args.no_profile else profile(model, cache, batch, device)
-    # ShadowKV mode runs the fetch on a side stream; YAKV mode's fetch runs on the main stream, with nothing beside it.
-    fetch = fetch_overlap(kernels, rows[-1]["step_ms"]) if kernels and args.mode == "shadowkv" else None
-    if fetch:
-        log(f"value fetch {fetch['fetch_ms']:.2f} ms per step; kernels overlapped {fetch['overlap_ms']:.2f} ms "
-            f"(device time less the step): at least {fetch['hidden_share']:.0%} of the fetch hidden")  # fmt: skip
+    kernels, timeline = ([], None) if args.no_profile else profile(model, cache, batch, device)
+    if timeline:
+        log(f"profiled steps: {timeline['busy_ms']:.2f} ms busy, {timeline['idle_ms']:.2f} ms idle per step, "
+            f"{timeline['kernels_per_step']:.0f} kernels per step")  # fmt: skip
+    if timeline and timeline["fetch_ms"]:
+        log(f"value fetch {timeline['fetch_ms']:.2f} ms per step, {timeline['hidden_ms']:.2f} ms of it beside other "
+            f"kernels ({timeline['hidden_share']:.0%} hidden)")  # fmt: skip
     host = None
     if args.generate:
         cache = None
@@ -139,16 +141,20 @@ def main() -> None:
         columns = ["context", "batch", "mode", "values", "landmarks", "graphs", "h", "step_ms", "tok_s", "replays"]
         notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, 3 steps) "
                  "are in the JSON (`kernels`).") if kernels else ""  # fmt: skip
-        if fetch:
-            notes += (f" The value fetch took {fetch['fetch_ms']:.2f} ms per step; kernels ran side by side for "
-                      f"{fetch['overlap_ms']:.2f} ms (device time less the step time), so at least "
-                      f"{fetch['hidden_share']:.0%} of the fetch was hidden (`fetch` in the JSON).")  # fmt: skip
+        t = timeline
+        if t:
+            notes += (f" On the profiled steps' kernel timeline the device was busy {t['busy_ms']:.2f} ms and idle "
+                      f"{t['idle_ms']:.2f} ms per step ({t['kernels_per_step']:.0f} kernels).")  # fmt: skip
+        if t and t["fetch_ms"]:
+            notes += (f" The value fetch took {t['fetch_ms']:.2f} ms per step, {t['hidden_ms']:.2f} ms of it beside "
+                      f"other kernels: {t['hidden_share']:.0%} hidden (`timeline` in the JSON, "
+                      "benchmarks/timeline.py).")  # fmt: skip
         if host:
             notes += (f" Through `model.generate` (batch {batch}): {host['wall_ms']:.2f} ms per step, of which the "
                       f"host spent {host['host_ms']:.2f} ms in PyTorch ops and CUDA runtime calls and "
                       f"{host['wait_ms']:.2f} ms waiting for the device; {host['launches']:.0f} launches per step "
                       "(`generate` in the JSON).")  # fmt: skip
-        extra = {"kernels": kernels, "fetch": fetch, "generate": host}
+        extra = {"kernels": kernels, "timeline": timeline, "generate": host}
         write_results(args.name, title, env, rows, columns, plot, notes, extra=extra)
 
 
@@ -185,21 +191,9 @@ def profile_generate(model, cache, batch: int, context: int, device: torch.devic
     return host_time(rows, steps, wall_ms)
 
 
-def fetch_overlap(kernels: list[dict], step_ms: float) -> dict | None:
-    """How much of ShadowKV's value fetch ran beside other kernels: the device time summed over kernels less the step's
-    wall time is time during which kernels overlapped, and only the fetch runs on a side stream, so that over the
-    fetch's own time is about a lower bound on the share hidden (idle gaps in the step lower it; the step time comes
-    from the timed steps, the kernel times from 3 profiled ones). None without a fetch kernel."""
-    fetch_ms = sum(k["ms_per_step"] for k in kernels[1:] if k["name"].startswith("gather_values"))
-    if not fetch_ms:
-        return None
-    overlap_ms = max(0.0, kernels[0]["ms_per_step"] - step_ms)
-    return dict(fetch_ms=round(fetch_ms, 3), overlap_ms=round(overlap_ms, 3),
-                hidden_share=round(min(1.0, overlap_ms / fetch_ms), 3))  # fmt: skip
-
-
-def profile(model, cache, batch: int, device: torch.device) -> list[dict]:
-    """torch.profiler over 3 steps; prints the tables and returns the top kernels by CUDA time (ms per step)."""
+def profile(model, cache, batch: int, device: torch.device) -> tuple[list[dict], dict | None]:
+    """torch.profiler over 3 steps; prints the tables and returns the top kernels by CUDA time (ms per step) and the
+    steps' kernel timeline (`timeline_summary`: busy and idle time, the fetch and the share of it hidden)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
     )
@@ -210,7 +204,7 @@ def profile(model, cache, batch: int, device: torch.device) -> list[dict]:
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
     if device.type != "cuda":
-        return []
+        return [], None
     print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=40))
     # Kernels only: an operator's own row also carries the device time of the kernels it launched (eager modes).
     on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
@@ -220,7 +214,8 @@ def profile(model, cache, batch: int, device: torch.device) -> list[dict]:
     top = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:30]
     rows = [dict(name=e.key, calls_per_step=e.count / 3, ms_per_step=round(e.self_device_time_total / 1e3 / 3, 3))
             for e in top]  # fmt: skip
-    return [dict(name="all device time", calls_per_step=launches, ms_per_step=round(total_ms, 3)), *rows]
+    timeline = timeline_summary(kernel_intervals(prof), 3, sample=120)
+    return [dict(name="all device time", calls_per_step=launches, ms_per_step=round(total_ms, 3)), *rows], timeline
 
 
 if __name__ == "__main__":

@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
-from benchmarks.profile_decode import fetch_overlap, host_time
+from benchmarks.profile_decode import host_time
+from benchmarks.timeline import FETCH_KERNELS, merged, overlap_length, timeline_summary
 
 
-def test_profile_reports_the_share_of_the_fetch_hidden_beside_other_kernels():
-    """Device time summed over kernels less the step's wall time is time kernels overlapped; over the fetch's own time
-    it is the share of the fetch hidden (at most all of it), and nothing without a fetch kernel."""
+def test_timeline_merges_kernel_intervals_into_busy_idle_and_the_hidden_share_of_the_fetch():
+    """Busy time is the union of kernel intervals (overlaps counted once), idle the rest of the span; the fetch's hidden
+    part is where another kernel ran beside it, per step."""
     kernels = [
-        dict(name="all device time", ms_per_step=59.0),
-        dict(name="gather_values_higgs4_warp_bf16", ms_per_step=14.0),
-        dict(name="attend_split", ms_per_step=5.5),
+        ("attend_split", 0.0, 10.0),
+        ("gather_values_higgs4_warp_bf16", 5.0, 25.0),  # 5 us beside attend_split, 5 beside rebuild
+        ("rebuild_missed_bfloat16_d128", 20.0, 30.0),
+        ("select_topk_regs", 40.0, 50.0),  # 30..40 idle
+        ("gather_dequant_higgs4", 60.0, 70.0),  # YAKV's fetch: nothing beside it
     ]
-    assert fetch_overlap(kernels, 47.0) == dict(fetch_ms=14.0, overlap_ms=12.0, hidden_share=round(12 / 14, 3))
-    assert fetch_overlap(kernels, 60.0)["hidden_share"] == 0.0  # idle gaps: no overlap seen
-    assert fetch_overlap(kernels, 40.0)["hidden_share"] == 1.0
-    assert fetch_overlap(kernels[:1] + kernels[2:], 47.0) is None
+    got = timeline_summary(kernels, steps=2)
+    assert got["span_ms"] == round(70 / 2e3, 3)
+    assert got["busy_ms"] == round(50 / 2e3, 3)
+    assert got["idle_ms"] == round(20 / 2e3, 3)
+    assert got["kernels_per_step"] == 2.5
+    assert got["fetch_ms"] == round(30 / 2e3, 3)
+    assert got["hidden_ms"] == round(10 / 2e3, 3)
+    assert got["hidden_share"] == round(10 / 30, 3)
+    no_fetch = timeline_summary([k for k in kernels if not k[0].startswith(FETCH_KERNELS)], steps=1)
+    assert no_fetch["fetch_ms"] is None and no_fetch["hidden_share"] is None
+    assert timeline_summary([], steps=3) is None
+    sample = timeline_summary([(*k, 7) for k in kernels], steps=2, sample=2)["sample"]
+    assert sample == [
+        dict(name="gather_values_higgs4_warp_bf16", start_us=0.0, us=20.0, stream=7),
+        dict(name="rebuild_missed_bfloat16_d128", start_us=15.0, us=10.0, stream=7),
+    ]
+
+
+def test_overlap_of_two_unions_counts_each_instant_once():
+    a = merged([(0.0, 4.0), (2.0, 6.0), (10.0, 12.0)])
+    assert a == [(0.0, 6.0), (10.0, 12.0)]
+    b = merged([(5.0, 11.0)])
+    assert overlap_length(a, b) == 2.0
+    assert overlap_length(a, []) == 0.0
 
 
 def test_generate_host_time_parts_work_from_waits_and_counts_launches():
