@@ -594,11 +594,23 @@ def topk_scores(rows, n, kind, gen):
 
 @pytest.mark.parametrize(
     "rows, n, k",
-    [(8, 16376, 256), (352, 16376, 256), (3, 5, 5), (2, 3000, 2048), (5, 1, 1), (1, 70001, 777), (40, 1024, 1)],
+    [
+        (8, 16376, 256),  # ShadowKV at batch 1: two passes, candidates merged in registers (2 per thread)
+        (352, 16376, 256),  # batch 44: one pass
+        (3, 5, 5),
+        (2, 3000, 2048),
+        (5, 1, 1),
+        (1, 70001, 777),  # two passes, a merge that reads its candidates at each pass
+        (40, 1024, 1),
+        (4, 16376, 400),  # merge of 4 per thread
+        (2, 40000, 700),  # merge of 16 per thread
+        (3, 3 * 2048 + 5, 300),  # a last part shorter than k: padded candidates
+    ],
 )
 @pytest.mark.parametrize("kind", ["probs", "ties", "masked"])
 def test_select_topk_kernel_matches_twin(rows, n, k, kind):
-    """The same indices in the same order as the stable descending sort, ties by index included."""
+    """The same indices in the same order as the stable descending sort, ties by index included, in one pass or two
+    (`parts`)."""
     scores = topk_scores(rows, n, kind, torch.Generator().manual_seed(rows + n + k)).to(CUDA)
     got = select_topk(scores, k)
     assert torch.equal(got.cpu(), select_topk_reference(scores.cpu(), k))

@@ -50,7 +50,7 @@ class ControlledHitRate(SelectionPolicy):
         self.inner = inner if inner is not None else LandmarkTopK()
         self.granularity = self.inner.granularity
         self.observation_window = self.inner.observation_window
-        self.steps: dict[int, torch.Tensor] = {}
+        self.windows: dict[int, torch.Tensor] = {}  # per layer: this step's window of entries, `[K]` int64
         self.perms: dict[int, torch.Tensor] = {}
 
     def prepare(self, chunk_keys, recent_queries=None, scaling=None) -> dict[str, torch.Tensor]:
@@ -66,11 +66,14 @@ class ControlledHitRate(SelectionPolicy):
         batch, heads, units = selectable.shape
         if key not in self.perms:
             self.perms[key] = torch.rand(batch, heads, units, device=selectable.device).argsort(dim=-1)
-            self.steps[key] = torch.zeros((), dtype=torch.int64, device=selectable.device)
-        step = self.steps[key]
-        window = (step * self.shift(k) + torch.arange(k, device=selectable.device)) % units
-        step += 1
-        return self.perms[key].gather(-1, window.expand(batch, heads, k))
+        window = self.windows.get(key)
+        if window is None or window.numel() != k:
+            window = self.windows[key] = torch.arange(k, device=selectable.device) % units
+        chosen = self.perms[key].gather(-1, window.expand(batch, heads, k))
+        # Slid in place for the next step (two small kernels beside the gather: the harness should cost a step
+        # little of what a real policy's selection would not).
+        window.add_(self.shift(k)).remainder_(units)
+        return chosen
 
     def shift(self, k: int) -> int:
         """Entries the window slides per step when `k` units are selected."""
