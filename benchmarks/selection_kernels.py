@@ -1,5 +1,5 @@
-"""One layer's chunk selection kernels at ShadowKV's sizes: top-k in one pass or two, the temporal scan pairwise or
-by bitmaps, in one run.
+"""One layer's chunk selection kernels at ShadowKV's sizes: top-k's digit counting, the temporal scan pairwise or by
+bitmaps, in one run.
 
 Legend: B batch, Hkv KV heads, N chunks per head, K selected chunks (slots) per head, h share of the wanted chunks
 already held.
@@ -8,8 +8,8 @@ At small batches a layer's selection is a few kernels of one block per (row, hea
 multiprocessors. This times each variant on the same data, as CUDA graph replays (the way the decode step runs
 them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) for each batch:
 
-- `topk one pass`: `select_topk`'s kernel of a block per row;
-- `topk two passes`: a block per part of `PART` scores, then a block per row over the parts' candidates;
+- `topk match` and `topk vote`: `select_topk`'s kernel of a block per row, counting each pass's digits with
+  `__match_any_sync` or with a shuffle and a vote (`HISTOGRAM` in ops/select_topk.py);
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
 - `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
 
@@ -64,21 +64,20 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
     scores = torch.softmax(torch.randn(rows, args.chunks, device=device) * 3, dim=-1)
     out = []
 
-    def topk(split: bool):
-        saved = topk_module.SPLIT_ROWS_PER_SM
-        topk_module.SPLIT_ROWS_PER_SM = float("inf") if split else 0.0
+    def topk(histogram: str):
+        saved = topk_module.HISTOGRAM
+        topk_module.HISTOGRAM = histogram
         try:
             got = select_topk_op(scores, args.k)
             us = graph_us(lambda: select_topk_op(scores, args.k), device)
         finally:
-            topk_module.SPLIT_ROWS_PER_SM = saved
+            topk_module.HISTOGRAM = saved
         return got, us
 
-    one, one_us = topk(False)
-    two, two_us = topk(True)
-    same = bool(torch.equal(one, two))
-    out += [dict(batch=batch, rows=rows, kernel="topk one pass", us=round(one_us, 2), same=same),
-            dict(batch=batch, rows=rows, kernel="topk two passes", us=round(two_us, 2), same=same)]  # fmt: skip
+    timed = {name: topk(name) for name in ("match", "vote")}
+    same = bool(torch.equal(timed["match"][0], timed["vote"][0]))
+    out += [dict(batch=batch, rows=rows, kernel=f"topk {name}", us=round(us, 2), same=same)
+            for name, (_, us) in timed.items()]  # fmt: skip
     held, wanted, valid = scan_case(rows, args.k, args.chunks, args.h, device)
     results = {}
     for name, units in (("scan pairwise", 0), ("scan bitmap", args.chunks)):
@@ -124,8 +123,8 @@ def main() -> None:
              "gave the same indices (top-k) or ids and misses (scan).")  # fmt: skip
     columns = ["batch", "rows", "kernel", "us", "same"]
     plot = {"x": "batch", "y": "us", "series": "kernel", "ylabel": "µs per layer"}
-    write_results(args.name, "Chunk selection kernels at 128K: one pass or two, pairwise or bitmap", env, rows,
-                  columns, plot, notes)  # fmt: skip
+    title = "Chunk selection kernels at 128K: top-k digit counting, pairwise or bitmap scan"
+    write_results(args.name, title, env, rows, columns, plot, notes)
 
 
 if __name__ == "__main__":

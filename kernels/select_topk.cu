@@ -30,10 +30,11 @@ __device__ __forceinline__ unsigned order_key(float f) {
 /// ITEMS > 0: the row has at most ITEMS * TOPK_THREADS scores and each thread keeps its ITEMS keys in registers,
 /// read from memory once (all loads in flight together); ITEMS = 0: every pass reads the row again (any N).
 ///
-/// `key_of(i)` gives the order key of score i < N (read at most once per pass; once in all with ITEMS > 0), and
-/// `put(rank, i, key)` takes the candidate of that rank (0: the best) for each rank below k.
-template <int ITEMS, typename KeyOf, typename Put>
-__device__ __forceinline__ void select_topk_impl(KeyOf key_of, Put put, int N, int k) {
+/// MATCH: each warp adds a bin's lanes once, found by `__match_any_sync`; else a warp whose lanes share one digit adds
+/// them once (a shuffle and a vote), and the lanes of any other warp add one each.
+template <int ITEMS, bool MATCH>
+__device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, long long* __restrict__ dst, int N,
+                                                 int k) {
     __shared__ unsigned hist[256];
     __shared__ unsigned cand_key[TOPK_MAX_K];
     __shared__ int cand_idx[TOPK_MAX_K];
@@ -48,12 +49,12 @@ __device__ __forceinline__ void select_topk_impl(KeyOf key_of, Put put, int N, i
 #pragma unroll
         for (int j = 0; j < (ITEMS > 0 ? ITEMS : 1); ++j) {
             const int i = j * TOPK_THREADS + tid;
-            held[j] = i < N ? key_of(i) : 0u;
+            held[j] = i < N ? order_key(row[i]) : 0u;
         }
     }
     auto key_at = [&](int j, int i) -> unsigned {
         if (ITEMS > 0) return held[j];
-        return i < N ? key_of(i) : 0u;
+        return i < N ? order_key(row[i]) : 0u;
     };
 
     // Radix select. `prefix` holds the digits of the k-th largest key found so far (bits under `mask`), `need` its
@@ -70,10 +71,18 @@ __device__ __forceinline__ void select_topk_impl(KeyOf key_of, Put put, int N, i
                 const unsigned key = key_at(j, i);
                 const bool counts = i < N && (key & mask) == prefix;
                 const unsigned digit = counts ? (key >> shift) & 255u : 256u;
-                // Scores cluster (probabilities share their top bits), so lanes of a warp often hit one bin: the
-                // warp adds each bin's lanes once.
-                const unsigned peers = __match_any_sync(0xffffffffu, digit);
-                if (counts && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned)__popc(peers));
+                // Scores cluster (probabilities share their top bits), so lanes of a warp often hit one bin.
+                if (MATCH) {
+                    const unsigned peers = __match_any_sync(0xffffffffu, digit);
+                    if (counts && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned)__popc(peers));
+                } else {
+                    const unsigned first = __shfl_sync(0xffffffffu, digit, 0);
+                    if (__all_sync(0xffffffffu, digit == first)) {
+                        if (lane == 0 && first < 256u) atomicAdd(&hist[first], 32u);
+                    } else if (counts) {
+                        atomicAdd(&hist[digit], 1u);
+                    }
+                }
             }
         }
         __syncthreads();
@@ -162,7 +171,7 @@ __device__ __forceinline__ void select_topk_impl(KeyOf key_of, Put put, int N, i
             const unsigned other = cand_key[j];
             rank += other > key || (other == key && cand_idx[j] < idx);
         }
-        put(rank, idx, key);
+        dst[rank] = idx;
     }
 }
 
@@ -172,76 +181,21 @@ __device__ __forceinline__ void select_topk_impl(KeyOf key_of, Put put, int N, i
 /// \param k           1 <= k <= min(N, TOPK_MAX_K)
 /// Launch: grid R, block TOPK_THREADS.
 #define TOPK_REG_ITEMS 16
-template <int ITEMS>
-__device__ __forceinline__ void select_topk_row(const float* __restrict__ scores, long long row_stride,
-                                                long long* __restrict__ out, int N, int k) {
-    const float* row = scores + (long long)blockIdx.x * row_stride;
-    long long* dst = out + (long long)blockIdx.x * k;
-    select_topk_impl<ITEMS>([&](int i) { return order_key(row[i]); },
-                            [&](int rank, int i, unsigned) { dst[rank] = i; }, N, k);
-}
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     select_topk(const float* __restrict__ scores, long long row_stride, long long* __restrict__ out, int N, int k) {
-    select_topk_row<0>(scores, row_stride, out, N, k);
+    select_topk_impl<0, true>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k, N, k);
 }
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk_regs(const float* __restrict__ scores,
                                                                             long long row_stride,
                                                                             long long* __restrict__ out, int N,
                                                                             int k) {
-    select_topk_row<TOPK_REG_ITEMS>(scores, row_stride, out, N, k);
+    select_topk_impl<TOPK_REG_ITEMS, true>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k,
+                                           N, k);
 }
-
-// Two passes for rows too few to fill the GPU with a block each (ShadowKV at small batches: 8 rows of 16K chunks at
-// batch 1 kept 8 of 132 multiprocessors busy for 34 us a layer on an H200 machine). The first pass takes the k best
-// of each part of TOPK_PART scores of a row, a block per part; the second the k best of a row's candidates. A row's k
-// best are among its parts' k best, and the candidates lie part after part, each part's best first and equal keys by
-// index, so equal keys keep their order by index and the result is the one-pass kernel's.
-#define TOPK_PART_ITEMS 2
-#define TOPK_PART (TOPK_PART_ITEMS * TOPK_THREADS)
-
-/// \param scores      [R, N] fp32 as in select_topk
-/// \param cand_key    [R, P, k] uint32, out: order keys of part p's k best, best first; 0 (below every score's key)
-///                    past the part's length where it is shorter than k
-/// \param cand_idx    [R, P, k] int32, out: their indices in the row
-/// Launch: grid (R, P) with P = ceil(N / TOPK_PART), block TOPK_THREADS; 1 <= k <= TOPK_MAX_K.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-    select_topk_parts(const float* __restrict__ scores, long long row_stride, unsigned* __restrict__ cand_key,
-                      int* __restrict__ cand_idx, int N, int k) {
-    const int first = blockIdx.y * TOPK_PART, n = min(TOPK_PART, N - first), kp = min(k, n);
-    const float* part = scores + (long long)blockIdx.x * row_stride + first;
-    const long long at = ((long long)blockIdx.x * gridDim.y + blockIdx.y) * k;
-    for (int r = kp + threadIdx.x; r < k; r += TOPK_THREADS) {
-        cand_key[at + r] = 0u;
-        cand_idx[at + r] = first;
-    }
-    select_topk_impl<TOPK_PART_ITEMS>([&](int i) { return order_key(part[i]); },
-                                      [&](int rank, int i, unsigned key) {
-                                          cand_key[at + rank] = key;
-                                          cand_idx[at + rank] = first + i;
-                                      },
-                                      n, kp);
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk_regs_vote(const float* __restrict__ scores,
+                                                                                 long long row_stride,
+                                                                                 long long* __restrict__ out, int N,
+                                                                                 int k) {
+    select_topk_impl<TOPK_REG_ITEMS, false>(scores + (long long)blockIdx.x * row_stride,
+                                            out + (long long)blockIdx.x * k, N, k);
 }
-
-/// \param cand_key, cand_idx  [R, M] as select_topk_parts wrote them (M = P * k)
-/// \param out         [R, k] int64, out: as select_topk's
-/// Launch: grid R, block TOPK_THREADS; select_topk_merge_ITEMS takes M <= ITEMS * TOPK_THREADS (0: any M).
-template <int ITEMS>
-__device__ __forceinline__ void select_topk_merge_impl(const unsigned* __restrict__ cand_key,
-                                                       const int* __restrict__ cand_idx, long long* __restrict__ out,
-                                                       int M, int k) {
-    const unsigned* keys = cand_key + (long long)blockIdx.x * M;
-    const int* idx = cand_idx + (long long)blockIdx.x * M;
-    long long* dst = out + (long long)blockIdx.x * k;
-    select_topk_impl<ITEMS>([&](int i) { return keys[i]; }, [&](int rank, int i, unsigned) { dst[rank] = idx[i]; },
-                            M, k);
-}
-#define TOPK_MERGE(ITEMS)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TOPK_THREADS)                                                       \
-        select_topk_merge_##ITEMS(const unsigned* __restrict__ cand_key, const int* __restrict__ cand_idx,           \
-                                  long long* __restrict__ out, int M, int k) {                                       \
-        select_topk_merge_impl<ITEMS>(cand_key, cand_idx, out, M, k);                                                \
-    }
-TOPK_MERGE(0)
-TOPK_MERGE(2)
-TOPK_MERGE(4)
-TOPK_MERGE(16)

@@ -101,11 +101,14 @@ __device__ __forceinline__ int block_rank(bool flag, int* warp_counts, int& tota
 ///
 /// \param ids, wanted, valid, miss  as `temporal_scan`'s (ids and valid wanted entries in [0, units))
 /// \param fresh   [B*Hkv, K] int32 scratch: the new units of each row, in wanted order
-/// \param K       slots per head; \param units  the units ids index (YAKV: the prompt's tokens)
+/// \param counts  [2] int64, in/out, or null: the misses are added to counts[0] and the launch to counts[1] (a
+///                temporal cache's hit counters, kept without a reduction and two additions per layer and step)
+/// \param K       slots per head; \param units  the units ids index (ShadowKV: the prompt's chunks; YAKV: its tokens)
 /// Launch: grid B*Hkv, block 1024, dynamic shared memory 8 * ceil(units / 32) bytes (two bitmaps).
 extern "C" __global__ void __launch_bounds__(1024) temporal_scan_bitmap(long long* ids, const long long* wanted,
                                                                        const bool* valid, bool* miss, int* fresh,
-                                                                       int K, int units) {
+                                                                       unsigned long long* counts, int K,
+                                                                       int units) {
     extern __shared__ unsigned bits[];
     __shared__ int warp_counts[32];
     const int words = (units + 31) >> 5;
@@ -157,5 +160,9 @@ extern "C" __global__ void __launch_bounds__(1024) temporal_scan_bitmap(long lon
             miss[base + s] = takes;
         }
         taken += count;
+    }
+    if (counts != nullptr && threadIdx.x == 0) {
+        atomicAdd(counts, (unsigned long long)min(num_new, taken));  // the slots that took a new unit
+        if (blockIdx.x == 0) atomicAdd(counts + 1, 1ull);
     }
 }

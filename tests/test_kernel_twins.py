@@ -25,7 +25,6 @@ from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.quantize_higgs import quantize_vectors, vector_strides
 from shadowkv_cache.ops.rebuild_keys import RopeLayout, rope_reference
 from shadowkv_cache.ops.score_codes import attention_scores
-from shadowkv_cache.ops.select_topk import PART, parts
 from shadowkv_cache.ops.temporal_scan import temporal_scan_reference, temporal_scan_sorted
 from shadowkv_cache.quant import HiggsQuantizer
 from shadowkv_cache.stores.pinned_pool import PinnedPool
@@ -120,18 +119,6 @@ def test_sorted_temporal_scan_at_yakv_sizes():
     assert torch.equal(new_ids.sort(-1).values, wanted.sort(-1).values)
     assert int(miss.sum()) == batch * heads * (slots - kept)
     assert torch.equal(new_ids[~miss], old[~miss])  # a held token never moves
-
-
-def test_select_topk_splits_rows_in_parts_only_while_they_leave_multiprocessors_idle():
-    """Two passes for few rows (a block per part of PART scores) whose parts keep at most half the row as
-    candidates; one pass once the rows alone give each multiprocessor a block, for short rows, or for k near PART."""
-    n = 16380  # ShadowKV's chunks at 128K
-    assert parts(8, n, 256, 132) == -(-n // PART)  # batch 1: 8 rows x 8 parts
-    assert parts(131, n, 256, 132) == 8
-    assert parts(132, n, 256, 132) == 1  # batch 16.5+: a block per row already fills the GPU
-    assert parts(8, PART, 256, 132) == 1  # one part
-    assert parts(8, n, 1024, 132) == 1  # 8 x 1024 candidates of 16380: over half the row
-    assert parts(1, 2**30, 1, 132) == 1  # more parts than the grid's y dimension
 
 
 @settings(max_examples=40, deadline=None)

@@ -17,6 +17,7 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
 from shadowkv_cache.core.landmarks import quantize_landmarks
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
+from shadowkv_cache.ops import select_topk as select_topk_module
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
 from shadowkv_cache.ops.key_rope import slot_products
 from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_logits_int8_reference
@@ -62,26 +63,38 @@ def test_temporal_scan_kernel_matches_twin(batch, heads, slots, chunks):
 
 @pytest.mark.parametrize(
     "batch, heads, slots, units",
-    [(1, 1, 1025, 1025), (2, 3, 1100, 1500), (2, 8, 4096, 131072), (1, 2, 1031, 1000000), (3, 1, 3000, 40000)],
+    [
+        (1, 1, 1025, 1025),
+        (2, 3, 1100, 1500),
+        (2, 8, 4096, 131072),
+        (1, 2, 1031, 1000000),
+        (3, 1, 3000, 40000),
+        (2, 8, 256, 16376),  # ShadowKV's chunks at 128K
+        (3, 2, 51, 77),
+        (5, 1, 1, 3),
+    ],
 )
 def test_temporal_scan_bitmap_kernel_matches_twin(batch, heads, slots, units, monkeypatch):
-    """Rows of more than QUADRATIC_SLOTS slots whose units are known (YAKV's tokens): the bitmap kernel, checked to be
-    what ran, holds exactly what the twin holds, in the same slots, in place; where its bitmaps would not fit shared
-    memory (a million units: 250 KB) the sorted scan runs, with the same result."""
+    """Rows whose units are known (ShadowKV's chunks, YAKV's tokens): the bitmap kernel, checked to be what ran, holds
+    exactly what the twin holds, in the same slots, in place; where its bitmaps would not fit shared memory (a million
+    units: 250 KB) the sorted scan runs above QUADRATIC_SLOTS slots, with the same result."""
     import shadowkv_cache.ops.temporal_scan as scan
 
     calls = []
     real = scan.temporal_scan_op
     monkeypatch.setattr(scan, "temporal_scan_op", lambda *a: calls.append(a[3:]) or real(*a))
+    counts, misses = torch.zeros(2, dtype=torch.int64, device=CUDA), 0
     for seed in range(3):
         ids, wanted, valid = random_scan_case(batch, heads, slots, units, seed)
         ref_ids, ref_miss = temporal_scan_reference(ids, wanted, valid)
         held = ids.cuda()
-        got_ids, got_miss = scan.temporal_scan(held, wanted.cuda(), valid.cuda(), units=units)
+        got_ids, got_miss = scan.temporal_scan(held, wanted.cuda(), valid.cuda(), units=units, counts=counts)
         assert got_ids is held
         assert torch.equal(got_ids.cpu(), ref_ids)
         assert torch.equal(got_miss.cpu(), ref_miss)
-    assert calls == ([(units,)] * 3 if scan._bitmap_fits(units, CUDA) else [])
+        misses += int(ref_miss.sum())
+    assert counts.tolist() == [misses, 3]  # counted by the kernel (or after the sorted scan)
+    assert [c[:1] for c in calls] == ([(units,)] * 3 if scan._bitmap_fits(units, CUDA) else [])
     assert scan._bitmap_fits(131072, CUDA) and not scan._bitmap_fits(1000000, CUDA)
 
 
@@ -594,23 +607,14 @@ def topk_scores(rows, n, kind, gen):
 
 @pytest.mark.parametrize(
     "rows, n, k",
-    [
-        (8, 16376, 256),  # ShadowKV at batch 1: two passes, candidates merged in registers (2 per thread)
-        (352, 16376, 256),  # batch 44: one pass
-        (3, 5, 5),
-        (2, 3000, 2048),
-        (5, 1, 1),
-        (1, 70001, 777),  # two passes, a merge that reads its candidates at each pass
-        (40, 1024, 1),
-        (4, 16376, 400),  # merge of 4 per thread
-        (2, 40000, 700),  # merge of 16 per thread
-        (3, 3 * 2048 + 5, 300),  # a last part shorter than k: padded candidates
-    ],
+    [(8, 16376, 256), (352, 16376, 256), (3, 5, 5), (2, 3000, 2048), (5, 1, 1), (1, 70001, 777), (40, 1024, 1)],
 )
 @pytest.mark.parametrize("kind", ["probs", "ties", "masked"])
-def test_select_topk_kernel_matches_twin(rows, n, k, kind):
-    """The same indices in the same order as the stable descending sort, ties by index included, in one pass or two
-    (`parts`)."""
+@pytest.mark.parametrize("histogram", ["match", "vote"])
+def test_select_topk_kernel_matches_twin(rows, n, k, kind, histogram, monkeypatch):
+    """The same indices in the same order as the stable descending sort, ties by index included, whichever way the
+    kernel counts digits."""
+    monkeypatch.setattr(select_topk_module, "HISTOGRAM", histogram)
     scores = topk_scores(rows, n, kind, torch.Generator().manual_seed(rows + n + k)).to(CUDA)
     got = select_topk(scores, k)
     assert torch.equal(got.cpu(), select_topk_reference(scores.cpu(), k))

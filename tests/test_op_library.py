@@ -179,6 +179,15 @@ SAMPLES = {
 VARIANTS = {
     # The bitmap kernel of long rows (the units the ids index: 12 here).
     "temporal_scan[bitmap]": ("temporal_scan", lambda d, g: (*_scan(d, g), 12)),
+    # Misses and scans counted into a [2] int64 tensor (a temporal cache's hit counters), by each kernel.
+    "temporal_scan[bitmap, counts]": (
+        "temporal_scan",
+        lambda d, g: (*_scan(d, g), 12, torch.tensor([5, 2], dtype=torch.int64, device=d)),
+    ),
+    "temporal_scan[counts]": (
+        "temporal_scan",
+        lambda d, g: (*_scan(d, g), 0, torch.tensor([5, 2], dtype=torch.int64, device=d)),
+    ),
     "rope_missed[interleaved]": ("rope_missed", lambda d, g: _rope(d, g, rotary=64, interleaved=True)),
     "rope_missed[no rope]": ("rope_missed", lambda d, g: _rope(d, g, rotary=0)),
     "rebuild_missed[interleaved, shared]": (
@@ -284,6 +293,9 @@ def test_cpu_implementations_are_the_twins():
     got_ids = ids.clone()
     assert torch.equal(op("temporal_scan")(got_ids, wanted, valid), want_miss)
     assert torch.equal(got_ids, want_ids)
+    counts = torch.tensor([5, 2])
+    op("temporal_scan")(ids.clone(), wanted, valid, 12, counts)
+    assert counts.tolist() == [5 + int(want_miss.sum()), 3]
 
     keys, pre, ids, miss, positions, inv_freq, scaling, rotary, interleaved = sample("rope_missed", "cpu")
     got = keys.clone()

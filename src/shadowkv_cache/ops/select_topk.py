@@ -4,9 +4,7 @@ Legend: R rows (every leading index of the scores), N scores per row, k selected
 
 `select_topk_reference` is the definition: a stable descending sort, first `k` (equal scores by ascending index, NaN
 first, -0.0 equal to +0.0). `kernels/select_topk.cu` computes it in one kernel per layer (a radix select in each
-row's block, then each candidate's rank); torch.topk took two or more kernels and a sort (see the kernel). Rows too
-few to give every multiprocessor a block take two kernels: the `k` best of each part of `PART` scores, a block per
-part, then the `k` best of those (`parts`).
+row's block, then each candidate's rank); torch.topk took two or more kernels and a sort (see the kernel).
 """
 
 from __future__ import annotations
@@ -16,18 +14,9 @@ import ctypes
 import torch
 
 from .library import define_op
-from .loader import kernels_available, load_kernels, multiprocessors
+from .loader import kernels_available, load_kernels
 
-__all__ = [
-    "MAX_K",
-    "PART",
-    "REGISTER_ROW",
-    "kernel_fits",
-    "parts",
-    "select_topk",
-    "select_topk_op",
-    "select_topk_reference",
-]
+__all__ = ["MAX_K", "REGISTER_ROW", "kernel_fits", "select_topk", "select_topk_op", "select_topk_reference"]
 
 MAX_K = 2048  # TOPK_MAX_K in the kernel
 _THREADS = 1024  # TOPK_THREADS in the kernel
@@ -36,12 +25,9 @@ _THREADS = 1024  # TOPK_THREADS in the kernel
 # torch.topk's multi-block kernels, so `policies/base.py` sends only rows up to this long here.
 REGISTER_ROW = 16 * _THREADS
 _MAX_ROWS = 2**31 - 1  # the grid's x dimension
-PART = 2 * _THREADS  # TOPK_PART in the kernel: scores per block of the two-pass kernels' first pass
-# Two passes while the rows give fewer blocks than this per multiprocessor, and the parts' candidates are at most this
-# share of the row (each part keeps k of its PART scores, so k must be well under PART for the split to pay).
-SPLIT_ROWS_PER_SM, SPLIT_MAX_SHARE = 1.0, 0.5
-_MAX_PARTS = 65535  # the grid's y dimension
-_MERGE_ITEMS = (2, 4, 16)  # select_topk_merge_ITEMS: candidates up to ITEMS * 1024 read into registers (0: any)
+# How the register kernel counts each pass's digits: "match" (`__match_any_sync` per item) or "vote" (a warp of one
+# digit adds once, otherwise each lane adds).
+HISTOGRAM = "match"
 
 
 def select_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -97,18 +83,6 @@ def _indices_like(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.empty((*scores.shape[:-1], k), dtype=torch.int64, device=scores.device)
 
 
-def parts(rows: int, n: int, k: int, multiprocessors: int) -> int:
-    """How many parts of `PART` scores the kernels split each of `rows` rows of `n` scores into (1: one pass, a block
-    per row): more than one while the rows are fewer than `SPLIT_ROWS_PER_SM` per multiprocessor and the parts'
-    `k` candidates each are at most `SPLIT_MAX_SHARE` of the row."""
-    count = -(-n // PART)
-    if count < 2 or count > _MAX_PARTS or rows >= SPLIT_ROWS_PER_SM * multiprocessors:
-        return 1
-    if count * k > SPLIT_MAX_SHARE * n:
-        return 1
-    return count
-
-
 @define_op("select_topk(Tensor scores, int k) -> Tensor", cpu=_twin, fake=_indices_like)
 def select_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
     """`torch.ops.shadowkv.select_topk`: the kernel on fp32 `scores` `[..., N]`, `1 <= k <= min(N, 2048)`."""
@@ -117,34 +91,11 @@ def select_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = _indices_like(scores, k)  # checks k
-    count = rows.shape[0]
-    if not count:
-        return out
-    kernels = load_kernels("select_topk", scores.device)
-    row_args = [rows, (rows.stride(0), ctypes.c_longlong)]
-    split = parts(count, n, k, multiprocessors(scores.device))
-    if split == 1:
-        kernels.launch(
-            "select_topk_regs" if n <= REGISTER_ROW else "select_topk",
-            grid=(count, 1, 1),
+    if rows.shape[0]:
+        load_kernels("select_topk", scores.device).launch(
+            ("select_topk_regs" + ("_vote" if HISTOGRAM == "vote" else "")) if n <= REGISTER_ROW else "select_topk",
+            grid=(rows.shape[0], 1, 1),
             block=(_THREADS, 1, 1),
-            args=[*row_args, out, (n, ctypes.c_int), (k, ctypes.c_int)],
+            args=[rows, (rows.stride(0), ctypes.c_longlong), out, (n, ctypes.c_int), (k, ctypes.c_int)],
         )
-        return out
-    cand_key = torch.empty((count, split * k), dtype=torch.int32, device=scores.device)  # uint32 keys
-    cand_idx = torch.empty((count, split * k), dtype=torch.int32, device=scores.device)
-    kernels.launch(
-        "select_topk_parts",
-        grid=(count, split, 1),
-        block=(_THREADS, 1, 1),
-        args=[*row_args, cand_key, cand_idx, (n, ctypes.c_int), (k, ctypes.c_int)],
-    )
-    m = split * k
-    items = next((i for i in _MERGE_ITEMS if m <= i * _THREADS), 0)
-    kernels.launch(
-        f"select_topk_merge_{items}",
-        grid=(count, 1, 1),
-        block=(_THREADS, 1, 1),
-        args=[cand_key, cand_idx, out, (m, ctypes.c_int), (k, ctypes.c_int)],
-    )
     return out

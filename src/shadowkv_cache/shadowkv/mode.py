@@ -159,8 +159,7 @@ class ShadowKVMode:
     def reset_hit_counts(self) -> None:
         """Zero the counters behind `hit_counts`, in place (captured CUDA graphs go on counting in them)."""
         if self.temporal is not None:
-            self.temporal.hits.zero_()
-            self.temporal.lookups.zero_()
+            self.temporal.reset_counts()
 
     def sizes(self) -> tuple[int, int]:
         """(rank of the key factors, tokens selected per KV head and step), the largest over rows."""

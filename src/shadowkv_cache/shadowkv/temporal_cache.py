@@ -43,11 +43,12 @@ class TemporalCache:
     def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
         self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
         self.valid = valid.contiguous()
-        # Counted on the device so that statistics never force a host synchronisation. Every step looks up the same
-        # number of chunks, so that count is taken once: per step the counters cost one reduction (the misses).
+        # Counted on the device so that statistics never force a host synchronisation: the misses and the steps,
+        # which the scan adds itself (`counts`). Every step looks up the same number of chunks, so that count is
+        # taken once.
         self._lookups_per_step = self.valid.sum()
-        self.hits = torch.zeros((), dtype=torch.int64, device=ids.device)
-        self.lookups = torch.zeros((), dtype=torch.int64, device=ids.device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=ids.device)  # misses, steps
+        self._before = torch.zeros(2, dtype=torch.int64, device=ids.device)  # hits, lookups of the rows it came from
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     @classmethod
@@ -65,6 +66,21 @@ class TemporalCache:
         return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values, self.valid))
 
     @property
+    def lookups(self) -> torch.Tensor:
+        """Chunks selected so far (a device scalar)."""
+        return self._before[1] + self.counts[1] * self._lookups_per_step
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """Chunks selected so far that the cache already held (a device scalar)."""
+        return self._before[0] + self.counts[1] * self._lookups_per_step - self.counts[0]
+
+    def reset_counts(self) -> None:
+        """Zero `hits` and `lookups`, in place (captured CUDA graphs go on counting in the same tensors)."""
+        self.counts.zero_()
+        self._before.zero_()
+
+    @property
     def held(self) -> torch.Tensor:
         """`[B, Hkv, K]` bool: slots that hold a chunk (the attention mask of the selected part)."""
         return self.ids >= 0
@@ -72,7 +88,8 @@ class TemporalCache:
     def refresh(self, wanted: torch.Tensor, prompt: CompressedPrompt, rope: RopeFn) -> None:
         """Hold the chunks `wanted` (`[B, Hkv, K]`, the entries where `self.valid` count): keep hits, rebuild and fetch
         misses."""
-        self.ids, miss = temporal_scan(self.ids, wanted, self.valid)
+        units = prompt.selectable.shape[-1]
+        self.ids, miss = temporal_scan(self.ids, wanted, self.valid, units=units, counts=self.counts)
         if self.keys.is_cuda:
             main = torch.cuda.current_stream(self.keys.device)
             side = _side_stream(self.keys.device, main)
@@ -96,10 +113,8 @@ class TemporalCache:
         else:
             gather_values(self.values, self.ids, miss, prompt.values)
             rebuild_missed_keys(self.keys, self.ids, miss, prompt.a, prompt.b, prompt.positions, rope)
-        self.hits += self._lookups_per_step - miss.sum()  # a head misses at most its valid wanted entries
-        self.lookups += self._lookups_per_step
 
     def select_rows(self, index: torch.Tensor) -> TemporalCache:
         out = TemporalCache(self.ids[index], self.keys[index], self.values[index], self.valid[index])
-        out.hits, out.lookups = self.hits, self.lookups
+        out._before = torch.stack((self.hits, self.lookups))  # counted on from here with the selected rows' lookups
         return out
