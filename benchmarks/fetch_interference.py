@@ -14,7 +14,8 @@ Two half-batch forwards on two streams took longer than one forward of the whole
 - `rebuild + fetch` and `gemm + fetch`: the fetch on a side stream beside the other, joined at each iteration, as
   the step runs them.
 
-`overlap` is how much of the shorter one the pair hid: (a + b - pair) / min(a, b); 1 is a perfect overlap, 0 none,
+`--fetch-blocks-per-sm` tries the fetch kernel's grid at several sizes. `overlap` is how much of the shorter one the
+pair hid: (a + b - pair) / min(a, b); 1 is a perfect overlap, 0 none,
 and below 0 each slowed the other.
 
     python -m benchmarks.fetch_interference --device cuda          # an H200 machine, ~1 min
@@ -31,6 +32,7 @@ from benchmarks.model_shapes import LLAMA_3_1_8B
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import PAPER_SETTINGS, free, log, sync
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
+from shadowkv_cache.ops import gather_values as fetch_module
 from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.rebuild_keys import rebuild_missed_keys
 from shadowkv_cache.shadowkv.temporal_cache import TemporalCache
@@ -100,14 +102,23 @@ def measure(model, batch: int, args, device: torch.device) -> list[dict]:
         torch.matmul(landmarks, query.transpose(-1, -2))
 
     side = torch.cuda.Stream(device)
-    alone = {name: graph_us(fn, device) for name, fn in (("rebuild", rebuild), ("fetch", fetch), ("gemm", gemm))}
-    rows = [dict(batch=batch, run=name, us=round(us, 2), overlap=None) for name, us in alone.items()]
-    for name in ("rebuild", "gemm"):
-        fn = rebuild if name == "rebuild" else gemm
-        pair = graph_us(side_by_side(fn, fetch, side), device)
-        a, b = alone[name], alone["fetch"]
-        rows.append(dict(batch=batch, run=f"{name} + fetch", us=round(pair, 2),
-                         overlap=round((a + b - pair) / min(a, b), 3)))  # fmt: skip
+    alone = {name: graph_us(fn, device) for name, fn in (("rebuild", rebuild), ("gemm", gemm))}
+    rows = [dict(batch=batch, run=name, fetch_blocks_per_sm=None, us=round(us, 2), overlap=None)
+            for name, us in alone.items()]  # fmt: skip
+    default = fetch_module.FETCH_BLOCKS_PER_SM
+    try:
+        for per_sm in args.fetch_blocks_per_sm:
+            fetch_module.FETCH_BLOCKS_PER_SM = per_sm
+            b = graph_us(fetch, device)
+            rows.append(dict(batch=batch, run="fetch", fetch_blocks_per_sm=per_sm, us=round(b, 2), overlap=None))
+            for name in ("rebuild", "gemm"):
+                fn = rebuild if name == "rebuild" else gemm
+                pair = graph_us(side_by_side(fn, fetch, side), device)
+                a = alone[name]
+                rows.append(dict(batch=batch, run=f"{name} + fetch", fetch_blocks_per_sm=per_sm, us=round(pair, 2),
+                                 overlap=round((a + b - pair) / min(a, b), 3)))  # fmt: skip
+    finally:
+        fetch_module.FETCH_BLOCKS_PER_SM = default
     for r in rows:
         log(r)
     del cache
@@ -120,6 +131,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batches", default="1,8,22,44")
     p.add_argument("--h", type=float, default=0.6)
+    p.add_argument("--fetch-blocks-per-sm", type=lambda v: [float(x) for x in v.split(",")], default=[0.5],
+                   help="fetch grids to try (FETCH_BLOCKS_PER_SM in ops/gather_values.py), comma list")  # fmt: skip
     p.add_argument("--name", default="fetch_interference_cuda_128k")
     add_results_dir_option(p)
     args = p.parse_args()
@@ -139,8 +152,9 @@ def main() -> None:
     notes = (f"One layer at {args.context} tokens, h = {args.h}, higgs4 values (each row its own pinned values), µs "
              "per call as CUDA graph replays; a pair runs the fetch on a side stream, joined at each call. `overlap`: "
              "(a + b - pair) / min(a, b).")  # fmt: skip
-    write_results(args.name, "The value fetch beside the key rebuild and the landmark GEMM", env, rows,
-                  ["batch", "run", "us", "overlap"], {"x": "batch", "y": "us", "series": "run"}, notes)  # fmt: skip
+    columns = ["batch", "run", "fetch_blocks_per_sm", "us", "overlap"]
+    title = "The value fetch beside the key rebuild and the landmark GEMM"
+    write_results(args.name, title, env, rows, columns, {"x": "batch", "y": "us", "series": "run"}, notes)
 
 
 if __name__ == "__main__":

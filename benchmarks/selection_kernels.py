@@ -8,8 +8,8 @@ At small batches a layer's selection is a few kernels of one block per (row, hea
 multiprocessors. This times each variant on the same data, as CUDA graph replays (the way the decode step runs
 them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) for each batch:
 
-- `topk match` and `topk vote`: `select_topk`'s kernel of a block per row, counting each pass's digits with
-  `__match_any_sync` or with a shuffle and a vote (`HISTOGRAM` in ops/select_topk.py);
+- `topk match` and `topk peel`: `select_topk`'s kernel of a block per row, counting each pass's digits with
+  `__match_any_sync` or by ballots of its first few digits (`HISTOGRAM` in ops/select_topk.py);
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
 - `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
 
@@ -74,8 +74,8 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
             topk_module.HISTOGRAM = saved
         return got, us
 
-    timed = {name: topk(name) for name in ("match", "vote")}
-    same = bool(torch.equal(timed["match"][0], timed["vote"][0]))
+    timed = {name: topk(name) for name in ("match", "peel")}
+    same = bool(torch.equal(timed["match"][0], timed["peel"][0]))
     out += [dict(batch=batch, rows=rows, kernel=f"topk {name}", us=round(us, 2), same=same)
             for name, (_, us) in timed.items()]  # fmt: skip
     held, wanted, valid = scan_case(rows, args.k, args.chunks, args.h, device)

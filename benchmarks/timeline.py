@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["FETCH_KERNELS", "kernel_intervals", "merged", "overlap_length", "timeline_summary"]
+__all__ = ["FETCH_KERNELS", "idle_gaps", "kernel_intervals", "merged", "overlap_length", "timeline_summary"]
 
 # Kernels that read values from pinned host memory over PCIe: ShadowKV's chunk fetch and YAKV's record fetch.
 FETCH_KERNELS = ("gather_values", "gather_dequant")
@@ -22,13 +22,11 @@ Interval = tuple[float, float]
 
 
 def kernel_intervals(prof) -> list[tuple[str, float, float, int]]:
-    """`(name, start, end, stream)` (times in µs) of every kernel a finished `torch.profiler.profile` recorded, by
-    start (graph replays included: their kernels are traced one by one)."""
+    """`(name, start, end, stream)` (times in µs) of every kernel, memset and copy a finished `torch.profiler.profile`
+    recorded on the device, by start (graph replays included: their nodes are traced one by one)."""
     out = []
     for event in prof.events():
         if event.device_type.name != "CUDA" or event.time_range.end <= event.time_range.start:
-            continue
-        if event.name.startswith(("Memcpy", "Memset")):
             continue
         start, end = float(event.time_range.start), float(event.time_range.end)
         out.append((event.name, start, end, int(event.device_resource_id)))
@@ -64,6 +62,23 @@ def overlap_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
     return total
 
 
+def idle_gaps(kernels: Sequence[tuple], steps: int, top: int = 8) -> list[dict]:
+    """The device's idle gaps grouped by the kernels on either side (the one that ended last before the gap, the one
+    that starts it), largest total first: `after`, `before`, gaps and ms per step. `kernels` by start."""
+    groups: dict[tuple[str, str], list] = {}
+    end, last = None, None
+    for name, start, stop, *_ in kernels:
+        if end is not None and start > end:
+            group = groups.setdefault((last[:60], name[:60]), [0, 0.0])
+            group[0] += 1
+            group[1] += start - end
+        if end is None or stop > end:
+            end, last = stop, name
+    ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:top]
+    return [dict(after=a, before=b, per_step=count / steps, ms_per_step=round(total / 1e3 / steps, 3))
+            for (a, b), (count, total) in ranked]  # fmt: skip
+
+
 def timeline_summary(kernels: Sequence[tuple], steps: int, sample: int = 0) -> dict | None:
     """Per step, from `(name, start µs, end µs, ...)` of `steps` profiled steps, by start: the span, busy and idle ms,
     kernels per step, and the fetch's union, the part of it hidden beside other kernels, and its share. None without
@@ -79,7 +94,7 @@ def timeline_summary(kernels: Sequence[tuple], steps: int, sample: int = 0) -> d
     per = 1e3 * steps  # µs over the steps to ms per step
     out = dict(span_ms=round((end - start) / per, 3), busy_ms=round(_length(busy) / per, 3),
                idle_ms=round((end - start - _length(busy)) / per, 3), kernels_per_step=len(kernels) / steps,
-               fetch_ms=None, hidden_ms=None, hidden_share=None)  # fmt: skip
+               fetch_ms=None, hidden_ms=None, hidden_share=None, gaps=idle_gaps(kernels, steps))  # fmt: skip
     if fetch:
         fetch_us, hidden_us = _length(fetch), overlap_length(fetch, others)
         out.update(fetch_ms=round(fetch_us / per, 3), hidden_ms=round(hidden_us / per, 3),

@@ -610,7 +610,7 @@ def topk_scores(rows, n, kind, gen):
     [(8, 16376, 256), (352, 16376, 256), (3, 5, 5), (2, 3000, 2048), (5, 1, 1), (1, 70001, 777), (40, 1024, 1)],
 )
 @pytest.mark.parametrize("kind", ["probs", "ties", "masked"])
-@pytest.mark.parametrize("histogram", ["match", "vote"])
+@pytest.mark.parametrize("histogram", ["match", "peel"])
 def test_select_topk_kernel_matches_twin(rows, n, k, kind, histogram, monkeypatch):
     """The same indices in the same order as the stable descending sort, ties by index included, whichever way the
     kernel counts digits."""

@@ -24,6 +24,11 @@ def test_timeline_merges_kernel_intervals_into_busy_idle_and_the_hidden_share_of
     assert got["fetch_ms"] == round(30 / 2e3, 3)
     assert got["hidden_ms"] == round(10 / 2e3, 3)
     assert got["hidden_share"] == round(10 / 30, 3)
+    # Idle gaps by the kernels either side: 30..40 after the rebuild (which ended last), 50..60 after the top-k.
+    assert got["gaps"] == [
+        dict(after="rebuild_missed_bfloat16_d128", before="select_topk_regs", per_step=0.5, ms_per_step=0.005),
+        dict(after="select_topk_regs", before="gather_dequant_higgs4", per_step=0.5, ms_per_step=0.005),
+    ]
     no_fetch = timeline_summary([k for k in kernels if not k[0].startswith(FETCH_KERNELS)], steps=1)
     assert no_fetch["fetch_ms"] is None and no_fetch["hidden_share"] is None
     assert timeline_summary([], steps=3) is None
