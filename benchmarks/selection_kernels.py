@@ -1,5 +1,5 @@
-"""One layer's chunk selection kernels at ShadowKV's sizes: top-k's digit counting, the temporal scan pairwise or by
-bitmaps, in one run.
+"""One layer's chunk selection kernels at ShadowKV's sizes: the top-k, and the temporal scan pairwise or by bitmaps, in
+one run.
 
 Legend: B batch, Hkv KV heads, N chunks per head, K selected chunks (slots) per head, h share of the wanted chunks
 already held.
@@ -8,12 +8,11 @@ At small batches a layer's selection is a few kernels of one block per (row, hea
 multiprocessors. This times each variant on the same data, as CUDA graph replays (the way the decode step runs
 them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) for each batch:
 
-- `topk match` and `topk peel`: `select_topk`'s kernel of a block per row, counting each pass's digits with
-  `__match_any_sync` or by ballots of its first few digits (`HISTOGRAM` in ops/select_topk.py);
+- `topk`: `select_topk`'s kernel of a block per row (checked against its twin);
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
 - `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
 
-Both variants of each are checked against each other on the same inputs before they are timed.
+Both scans are checked against each other on the same inputs before they are timed.
 
     python -m benchmarks.selection_kernels --device cuda          # an H200 machine, ~20 s
 """
@@ -26,8 +25,7 @@ import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import free, log, sync
-from shadowkv_cache.ops import select_topk as topk_module
-from shadowkv_cache.ops.select_topk import select_topk_op
+from shadowkv_cache.ops.select_topk import select_topk_op, select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan_op
 
 
@@ -64,20 +62,10 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
     scores = torch.softmax(torch.randn(rows, args.chunks, device=device) * 3, dim=-1)
     out = []
 
-    def topk(histogram: str):
-        saved = topk_module.HISTOGRAM
-        topk_module.HISTOGRAM = histogram
-        try:
-            got = select_topk_op(scores, args.k)
-            us = graph_us(lambda: select_topk_op(scores, args.k), device)
-        finally:
-            topk_module.HISTOGRAM = saved
-        return got, us
-
-    timed = {name: topk(name) for name in ("match", "peel")}
-    same = bool(torch.equal(timed["match"][0], timed["peel"][0]))
-    out += [dict(batch=batch, rows=rows, kernel=f"topk {name}", us=round(us, 2), same=same)
-            for name, (_, us) in timed.items()]  # fmt: skip
+    got = select_topk_op(scores, args.k)
+    same = bool(torch.equal(got.cpu(), select_topk_reference(scores.cpu(), args.k)))
+    us = graph_us(lambda: select_topk_op(scores, args.k), device)
+    out.append(dict(batch=batch, rows=rows, kernel="topk", us=round(us, 2), same=same))
     held, wanted, valid = scan_case(rows, args.k, args.chunks, args.h, device)
     results = {}
     for name, units in (("scan pairwise", 0), ("scan bitmap", args.chunks)):
@@ -119,11 +107,11 @@ def main() -> None:
         free(device)
     env = environment(str(device), "float32")
     notes = (f"One layer: {args.heads} KV heads per row, {args.chunks} chunks, k = {args.k}, h = {args.h}; µs per "
-             "call as CUDA graph replays (the scan's time less the copy that resets its ids). `same`: both variants "
-             "gave the same indices (top-k) or ids and misses (scan).")  # fmt: skip
+             "call as CUDA graph replays (the scan's time less the copy that resets its ids). `same`: the top-k gave "
+             "its twin's indices; both scans gave the same ids and misses.")  # fmt: skip
     columns = ["batch", "rows", "kernel", "us", "same"]
     plot = {"x": "batch", "y": "us", "series": "kernel", "ylabel": "µs per layer"}
-    title = "Chunk selection kernels at 128K: top-k digit counting, pairwise or bitmap scan"
+    title = "Chunk selection kernels at 128K: top-k, pairwise or bitmap scan"
     write_results(args.name, title, env, rows, columns, plot, notes)
 
 

@@ -10,7 +10,6 @@
 
 #define TOPK_THREADS 1024
 #define TOPK_MAX_K 2048  // shared memory holds k candidates (key and index)
-#define TOPK_PEELS 3     // digits a warp counts by ballot per item before its other lanes add one by one
 
 /// \brief A float's bits as an unsigned key in the order of a descending sort: larger floats give larger keys,
 ///        -0.0 equals +0.0, and every NaN is above +inf (where torch.sort puts NaN).
@@ -30,10 +29,7 @@ __device__ __forceinline__ unsigned order_key(float f) {
 ///
 /// ITEMS > 0: the row has at most ITEMS * TOPK_THREADS scores and each thread keeps its ITEMS keys in registers,
 /// read from memory once (all loads in flight together); ITEMS = 0: every pass reads the row again (any N).
-///
-/// MATCH: each warp adds a bin's lanes once, found by `__match_any_sync`; else the warp adds the lanes of its first
-/// TOPK_PEELS digits once each (shuffles and ballots), and any other lane adds itself.
-template <int ITEMS, bool MATCH>
+template <int ITEMS>
 __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, long long* __restrict__ dst, int N,
                                                  int k) {
     __shared__ unsigned hist[256];
@@ -72,26 +68,15 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
                 const unsigned key = key_at(j, i);
                 const bool counts = i < N && (key & mask) == prefix;
                 const unsigned digit = counts ? (key >> shift) & 255u : 256u;
-                // Scores cluster (probabilities share their top bits), so lanes of a warp often hit one bin.
-                if (MATCH) {
-                    const unsigned peers = __match_any_sync(0xffffffffu, digit);
-                    if (counts && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned)__popc(peers));
-                } else {
-                    // The warp's most common digits first: up to TOPK_PEELS times the digit of the first lane left
-                    // adds all its lanes at once (a shuffle and a ballot). Lanes of one bin in a warp would otherwise
-                    // add one at a time (shared atomics to one address serialise), which in the first pass, where
-                    // nearly every key shares the top byte, is most of the kernel's time.
-                    unsigned left = __ballot_sync(0xffffffffu, counts);
-#pragma unroll
-                    for (int p = 0; p < TOPK_PEELS; ++p) {
-                        if (left == 0u) break;  // uniform
-                        const int leader = __ffs(left) - 1;
-                        const unsigned d = __shfl_sync(0xffffffffu, digit, leader);
-                        const unsigned same = __ballot_sync(0xffffffffu, counts && digit == d) & left;
-                        if (lane == leader) atomicAdd(&hist[d], (unsigned)__popc(same));
-                        left &= ~same;
-                    }
-                    if ((left >> lane) & 1u) atomicAdd(&hist[digit], 1u);
+                // Scores cluster (probabilities share their top bits), so all lanes of a warp often hit one bin:
+                // such a warp adds once. Otherwise each lane adds; `__match_any_sync` to add each bin's lanes once
+                // was slower (35.8 against 32.8 us a layer at batch 1 on an H200 machine,
+                // `selection_kernels_cuda_128k_vote`), as was peeling a warp's first three digits by ballots.
+                const unsigned first = __shfl_sync(0xffffffffu, digit, 0);
+                if (__all_sync(0xffffffffu, digit == first)) {
+                    if (lane == 0 && first < 256u) atomicAdd(&hist[first], 32u);
+                } else if (counts) {
+                    atomicAdd(&hist[digit], 1u);
                 }
             }
         }
@@ -193,19 +178,12 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
 #define TOPK_REG_ITEMS 16
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     select_topk(const float* __restrict__ scores, long long row_stride, long long* __restrict__ out, int N, int k) {
-    select_topk_impl<0, true>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k, N, k);
+    select_topk_impl<0>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k, N, k);
 }
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk_regs(const float* __restrict__ scores,
                                                                             long long row_stride,
                                                                             long long* __restrict__ out, int N,
                                                                             int k) {
-    select_topk_impl<TOPK_REG_ITEMS, true>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k,
-                                           N, k);
-}
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk_regs_peel(const float* __restrict__ scores,
-                                                                                 long long row_stride,
-                                                                                 long long* __restrict__ out, int N,
-                                                                                 int k) {
-    select_topk_impl<TOPK_REG_ITEMS, false>(scores + (long long)blockIdx.x * row_stride,
-                                            out + (long long)blockIdx.x * k, N, k);
+    select_topk_impl<TOPK_REG_ITEMS>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k, N,
+                                     k);
 }

@@ -25,9 +25,6 @@ _THREADS = 1024  # TOPK_THREADS in the kernel
 # torch.topk's multi-block kernels, so `policies/base.py` sends only rows up to this long here.
 REGISTER_ROW = 16 * _THREADS
 _MAX_ROWS = 2**31 - 1  # the grid's x dimension
-# How the register kernel counts each pass's digits: "match" (`__match_any_sync` per item) or "peel" (a warp adds the
-# lanes of its first few digits once each by ballot, its other lanes one by one).
-HISTOGRAM = "match"
 
 
 def select_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -93,7 +90,7 @@ def select_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
     out = _indices_like(scores, k)  # checks k
     if rows.shape[0]:
         load_kernels("select_topk", scores.device).launch(
-            ("select_topk_regs" + ("_peel" if HISTOGRAM == "peel" else "")) if n <= REGISTER_ROW else "select_topk",
+            "select_topk_regs" if n <= REGISTER_ROW else "select_topk",
             grid=(rows.shape[0], 1, 1),
             block=(_THREADS, 1, 1),
             args=[rows, (rows.stride(0), ctypes.c_longlong), out, (n, ctypes.c_int), (k, ctypes.c_int)],
