@@ -295,16 +295,19 @@ def test_probe_counting_kept_units_covers_the_outliers():
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("chunks", [37, 40])
-def test_landmark_logits_both_ways_agree(shared, chunks):
-    """The product with padded query rows (what CUDA takes when C is not a multiple of 8) is the einsum's."""
+@pytest.mark.parametrize("batch, group", [(3, 4), (1, 1), (1, 8), (2, 3)])
+def test_landmark_logits_both_ways_agree(shared, chunks, batch, group):
+    """The product with padded query rows (what CUDA takes when C is not a multiple of 8: rows padded by copies of
+    themselves, fewer or more than the padding, or none needed) is the einsum's."""
     from shadowkv_cache.policies.landmark_topk import landmark_logits
 
     gen = torch.Generator().manual_seed(chunks)
-    q = torch.randn(3, 2, 4, 1, 16, generator=gen)
-    landmarks = torch.randn(1 if shared else 3, 2, chunks, 16, generator=gen)
+    q = torch.randn(batch, 2, group, 1, 16, generator=gen)
+    landmarks = torch.randn(1 if shared else batch, 2, chunks, 16, generator=gen)
     want = landmark_logits(q, landmarks, pad_rows=False)
     got = landmark_logits(q, landmarks, pad_rows=True)
-    assert got.shape == want.shape == (3, 2, 4, 1, chunks)  # a view of the product (the scores read it in place)
+    # A view of the product (the scores read it in place).
+    assert got.shape == want.shape == (batch, 2, group, 1, chunks)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
