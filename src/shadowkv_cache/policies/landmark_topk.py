@@ -101,7 +101,7 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
     `q · landmarksᵀ` is not when C (the selectable chunks: a prompt's chunks less its outliers and local window) is
     not a multiple of 8, and the GEMM then falls back to a kernel 2.3x slower (an H200 at batch 32, 128K, in
     `profile_decode.py`: 0.62 against 0.26 ms per layer). So on CUDA such a product is taken the other way round,
-    `landmarks · qᵀ` with the query rows padded to a multiple of 8, and its `[..., C, rows]` output
+    `landmarks · qᵀ` with the query rows padded with zeros to a multiple of 8, and its `[..., C, rows]` output
     returned as a transposed view (not contiguous). `pad_rows` forces either way (None: that choice).
     """
     batch, heads, group, steps, dim = q.shape
@@ -114,11 +114,12 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
     if shared:  # one document for every row: the rows' queries share one product per head
         rows = rows.transpose(0, 1).reshape(1, heads, batch * group * steps, dim)
     count = rows.shape[2]
-    # Padded with copies of the rows (their logits are cut off below), in one kernel: padding with zeros puts a
-    # memset node in the captured step, after which the device idled ~14 us before the GEMM at every layer on an H200
-    # machine (`decode_profile_128k_batch1_gaps` and, with torch's constant pad, `decode_profile_128k_batch1_pad`).
-    width = -(-count // 8) * 8
-    padded = torch.cat([rows] * -(-width // count), dim=2)[:, :, :width] if width > count else rows
+    # The GEMM cuBLAS takes here comes with a memset node of its own in the captured step, after which the device
+    # idles ~14 us at every layer on an H200 machine (0.43 ms of the batch-1 step at 128K): padding with torch's
+    # constant pad or with copies of the rows instead of these zeros left it (`decode_profile_128k_batch1_pad`,
+    # `decode_profile_128k_batch1_cat`). Not yet removed.
+    padded = rows.new_zeros((*rows.shape[:2], -(-count // 8) * 8, dim))
+    padded[:, :, :count] = rows
     logits = torch.matmul(landmarks, padded.transpose(-1, -2))[..., :count].transpose(-1, -2)
     if shared:
         logits = logits.reshape(heads, batch, group * steps, chunks).transpose(0, 1)
