@@ -114,10 +114,9 @@ def landmark_logits(q: torch.Tensor, landmarks: torch.Tensor, pad_rows: bool | N
     if shared:  # one document for every row: the rows' queries share one product per head
         rows = rows.transpose(0, 1).reshape(1, heads, batch * group * steps, dim)
     count = rows.shape[2]
-    # The GEMM cuBLAS takes here comes with a memset node of its own in the captured step, after which the device
-    # idles ~14 us at every layer on an H200 machine (0.43 ms of the batch-1 step at 128K): padding with torch's
-    # constant pad or with copies of the rows instead of these zeros left it (`decode_profile_128k_batch1_pad`,
-    # `decode_profile_128k_batch1_cat`). Not yet removed.
+    # In the captured step a memset node precedes this GEMM, after which the device idles ~14 us at every layer on an
+    # H200 machine (0.43 ms of the batch-1 step at 128K). It is not the padding's: padding with copies of the rows (no
+    # fill at all) left it (`decode_profile_128k_batch1_cat`), so likely cuBLAS's own. Not yet removed.
     padded = rows.new_zeros((*rows.shape[:2], -(-count // 8) * 8, dim))
     padded[:, :, :count] = rows
     logits = torch.matmul(landmarks, padded.transpose(-1, -2))[..., :count].transpose(-1, -2)
