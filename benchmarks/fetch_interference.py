@@ -30,31 +30,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B
 from benchmarks.results_io import add_results_dir_option, environment, write_results
-from benchmarks.speed import PAPER_SETTINGS, free, log, sync
+from benchmarks.speed import PAPER_SETTINGS, free, graph_us, log
 from shadowkv_cache import LandmarkTopK, ShadowKVConfig
 from shadowkv_cache.ops import gather_values as fetch_module
 from shadowkv_cache.ops.gather_values import gather_values
 from shadowkv_cache.ops.rebuild_keys import rebuild_missed_keys
-from shadowkv_cache.shadowkv.temporal_cache import TemporalCache
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
-
-
-def graph_us(fn, device: torch.device, reps: int = 20) -> float:
-    """Mean µs per call of `fn()` replayed `reps` times in one CUDA graph (after a warm-up call outside it)."""
-    fn()
-    sync(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    sync(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    sync(device)
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def side_by_side(main, side_fn, side: torch.cuda.Stream):
@@ -80,7 +61,7 @@ def one_layer(model, batch: int, args, device: torch.device):
     mode = cache.layers[0].mode
     prompt = mode.prompt
     slots, chunks = prompt.max_budget_chunks, prompt.selectable.shape[-1]
-    temporal = TemporalCache.empty(prompt, slots)
+    temporal = mode.temporal  # empty, made with the prompt
     heads = temporal.ids.shape[1]
     temporal.ids.copy_(torch.rand(batch, heads, chunks, device=device).argsort(dim=-1)[..., :slots])
     miss = torch.rand(batch, heads, slots, device=device) >= args.h

@@ -24,27 +24,9 @@ import argparse
 import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, write_results
-from benchmarks.speed import free, log, sync
+from benchmarks.speed import free, graph_us, log
 from shadowkv_cache.ops.select_topk import select_topk_op, select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan_op
-
-
-def graph_us(fn, device: torch.device, reps: int = 50) -> float:
-    """Mean µs per call of `fn()` replayed `reps` times in one CUDA graph (after a warm-up call outside it)."""
-    fn()
-    sync(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    sync(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    sync(device)
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def scan_case(rows: int, slots: int, units: int, h: float, device: torch.device):
@@ -64,7 +46,7 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
 
     got = select_topk_op(scores, args.k)
     same = bool(torch.equal(got.cpu(), select_topk_reference(scores.cpu(), args.k)))
-    us = graph_us(lambda: select_topk_op(scores, args.k), device)
+    us = graph_us(lambda: select_topk_op(scores, args.k), device, reps=50)
     out.append(dict(batch=batch, rows=rows, kernel="topk", us=round(us, 2), same=same))
     held, wanted, valid = scan_case(rows, args.k, args.chunks, args.h, device)
     results = {}
@@ -77,8 +59,8 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
             ids.copy_(held)  # the same scan each time: from the held ids to the wanted ones
             temporal_scan_op(ids, wanted, valid, units)
 
-        results[name] += (graph_us(step, device),)
-    copy_us = graph_us(lambda: ids.copy_(held), device)
+        results[name] += (graph_us(step, device, reps=50),)
+    copy_us = graph_us(lambda: ids.copy_(held), device, reps=50)
     same = all(torch.equal(a, b) for a, b in zip(results["scan pairwise"][:2], results["scan bitmap"][:2]))
     for name, (_, _, us) in results.items():
         out.append(dict(batch=batch, rows=rows, kernel=name, us=round(us - copy_us, 2), same=same))

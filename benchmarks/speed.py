@@ -75,6 +75,25 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()  # every GPU's cached blocks
 
 
+def graph_us(fn, device: torch.device, reps: int = 20) -> float:
+    """Mean µs per call of `fn()` replayed `reps` times in one CUDA graph (after a warm-up call outside it): kernels
+    timed as the decode step runs them, without launch overhead."""
+    fn()
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    sync(device)
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def reset_peak(device: torch.device) -> None:
     for gpu in gpus(device):
         torch.cuda.reset_peak_memory_stats(gpu)
