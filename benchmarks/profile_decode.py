@@ -199,7 +199,7 @@ def profile(model, cache, batch: int, device: torch.device) -> tuple[list[dict],
     )
     with torch.profiler.profile(activities=activities) as prof:
         t = time.perf_counter()
-        decode(model, cache, batch, 0, 3, device)
+        decode(model, cache, batch, 0, 3, device, reset_counts=False)
         log(f"profiled 3 steps in {(time.perf_counter() - t) * 1e3:.0f} ms")
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))

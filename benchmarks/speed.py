@@ -179,14 +179,15 @@ def hbm_bandwidth(device: torch.device) -> float:
     return bw
 
 
-def decode(model, cache, batch: int, warm: int, steps: int, device: torch.device) -> float:
+def decode(model, cache, batch: int, warm: int, steps: int, device: torch.device, reset_counts: bool = True) -> float:
     """Seconds per step over `steps` timed forwards after `warm` ones (greedy next token, no sampling); a
-    `ShadowKVCache`'s hit counters restart with the timed steps."""
+    `ShadowKVCache`'s hit counters restart with the timed steps unless `reset_counts` is False (a profiled window
+    then holds the steps alone, not the counters' eager fills)."""
     tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
     with torch.no_grad():
         for i in range(warm + steps):
             if i == warm:
-                if isinstance(cache, ShadowKVCache):
+                if reset_counts and isinstance(cache, ShadowKVCache):
                     reset_hit_counts(cache)
                 sync(device)
                 t = time.perf_counter()
