@@ -53,7 +53,8 @@ def side_by_side(main, side_fn, side: torch.cuda.Stream):
 
 
 def one_layer(model, batch: int, args, device: torch.device):
-    """The layer's prompt and rope, and a temporal cache of random held chunks with a random share missed."""
+    """A synthetic cache of one layer (kept alive by the caller), its mode and prompt, the mode's temporal cache holding
+    random chunks, and a random share `1 - h` of its slots missed."""
     config = ShadowKVConfig(min_compress_len=4096, value_format="higgs4", **PAPER_SETTINGS)
     row = layer_sizes(model, config, args.context).host_bytes_per_row
     blocks = pinned_blocks(1, row * batch)
@@ -83,7 +84,8 @@ def measure(model, batch: int, args, device: torch.device) -> list[dict]:
         torch.matmul(landmarks, query.transpose(-1, -2))
 
     side = torch.cuda.Stream(device)
-    alone = {name: graph_us(fn, device) for name, fn in (("rebuild", rebuild), ("gemm", gemm))}
+    others = {"rebuild": rebuild, "gemm": gemm}
+    alone = {name: graph_us(fn, device) for name, fn in others.items()}
     rows = [dict(batch=batch, run=name, fetch_blocks_per_sm=None, us=round(us, 2), overlap=None)
             for name, us in alone.items()]  # fmt: skip
     default = fetch_module.FETCH_BLOCKS_PER_SM
@@ -92,8 +94,7 @@ def measure(model, batch: int, args, device: torch.device) -> list[dict]:
             fetch_module.FETCH_BLOCKS_PER_SM = per_sm
             b = graph_us(fetch, device)
             rows.append(dict(batch=batch, run="fetch", fetch_blocks_per_sm=per_sm, us=round(b, 2), overlap=None))
-            for name in ("rebuild", "gemm"):
-                fn = rebuild if name == "rebuild" else gemm
+            for name, fn in others.items():
                 pair = graph_us(side_by_side(fn, fetch, side), device)
                 a = alone[name]
                 rows.append(dict(batch=batch, run=f"{name} + fetch", fetch_blocks_per_sm=per_sm, us=round(pair, 2),

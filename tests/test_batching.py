@@ -132,3 +132,21 @@ def test_right_padding_raises_and_says_left_padding():
         mask[i, : len(row)] = 1
     with pytest.raises(NotImplementedError, match="left padding"):
         generate_with(model, ids, ShadowKVCache(model, **small_budget_overrides()), attention_mask=mask)
+
+
+def test_temporal_cache_counts_go_on_after_rows_are_selected():
+    """`hits` and `lookups` derive from the scan's counts (misses, steps) and the counts of the rows a cache came
+    from: selecting rows keeps what was counted and counts on with the selected rows' lookups per step; a reset zeroes
+    both."""
+    ids = torch.full((3, 2, 4), -1, dtype=torch.int64)
+    valid = torch.ones(3, 2, 4, dtype=torch.bool)
+    keys = torch.zeros(3, 2, 4, 2, 8)
+    cache = TemporalCache(ids, keys, keys.clone(), valid)
+    cache.counts += torch.tensor([5, 2])  # 2 steps of 24 lookups, 5 misses
+    assert (int(cache.lookups), int(cache.hits)) == (48, 43)
+    rows = cache.select_rows(torch.tensor([0, 2]))
+    assert (int(rows.lookups), int(rows.hits)) == (48, 43)
+    rows.counts += torch.tensor([3, 1])  # a step of the 2 rows: 16 lookups, 3 misses
+    assert (int(rows.lookups), int(rows.hits)) == (64, 56)
+    rows.reset_counts()
+    assert (int(rows.lookups), int(rows.hits)) == (0, 0)

@@ -107,18 +107,17 @@ def temporal_scan(
             and the scan to `counts[1]` (the bitmap kernel adds them itself: no extra launches).
     """
     num_slots = ids.shape[-1]
-    if num_slots == 0:
-        new_ids, miss = temporal_scan_reference(ids, wanted, valid)
-        count_misses(counts, miss)
-        return new_ids, miss
-    kernel = kernels_available(ids.device) and ids.is_contiguous()
+    kernel = num_slots > 0 and kernels_available(ids.device) and ids.is_contiguous()
     if kernel and units is not None and _bitmap_fits(units, ids.device):
         return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous(), units, counts)
-    if num_slots > QUADRATIC_SLOTS or not kernel:
+    if kernel and num_slots <= QUADRATIC_SLOTS:
+        return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous(), 0, counts)
+    if num_slots == 0:
+        new_ids, miss = temporal_scan_reference(ids, wanted, valid)
+    else:
         new_ids, miss = temporal_scan_sorted(ids, wanted, valid)  # the twin's result without its K^2 comparisons
-        count_misses(counts, miss)
-        return new_ids, miss
-    return ids, temporal_scan_op(ids, wanted.contiguous(), valid.contiguous(), 0, counts)
+    count_misses(counts, miss)  # the kernels count their own
+    return new_ids, miss
 
 
 def _bitmap_bytes(units: int) -> int:

@@ -48,7 +48,7 @@ class TemporalCache:
         # taken once.
         self._lookups_per_step = self.valid.sum()
         self.counts = torch.zeros(2, dtype=torch.int64, device=ids.device)  # misses, steps
-        self._before = torch.zeros(2, dtype=torch.int64, device=ids.device)  # hits, lookups of the rows it came from
+        self._before = torch.zeros(2, dtype=torch.int64, device=ids.device)  # misses, lookups of the rows it came from
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     @classmethod
@@ -73,7 +73,7 @@ class TemporalCache:
     @property
     def hits(self) -> torch.Tensor:
         """Chunks selected so far that the cache already held (a device scalar)."""
-        return self._before[0] + self.counts[1] * self._lookups_per_step - self.counts[0]
+        return self.lookups - self._before[0] - self.counts[0]
 
     def reset_counts(self) -> None:
         """Zero `hits` and `lookups`, in place (captured CUDA graphs go on counting in the same tensors)."""
@@ -116,5 +116,6 @@ class TemporalCache:
 
     def select_rows(self, index: torch.Tensor) -> TemporalCache:
         out = TemporalCache(self.ids[index], self.keys[index], self.values[index], self.valid[index])
-        out._before = torch.stack((self.hits, self.lookups))  # counted on from here with the selected rows' lookups
+        lookups = self.lookups
+        out._before = torch.stack((lookups - self.hits, lookups))  # counted on with the selected rows' lookups
         return out
