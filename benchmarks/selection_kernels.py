@@ -1,5 +1,5 @@
-"""One layer's chunk selection kernels at ShadowKV's sizes: the top-k, and the temporal scan pairwise or by bitmaps, in
-one run.
+"""One layer's selection kernels at ShadowKV's and YAKV's sizes: the top-k (against torch.topk), and the temporal scan
+pairwise or by bitmaps, in one run.
 
 Legend: B batch, Hkv KV heads, N chunks per head, K selected chunks (slots) per head, h share of the wanted chunks
 already held.
@@ -8,13 +8,16 @@ At small batches a layer's selection is a few kernels of one block per (row, hea
 multiprocessors. This times each variant on the same data, as CUDA graph replays (the way the decode step runs
 them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) for each batch:
 
-- `topk`: `select_topk`'s kernel of a block per row (checked against its twin);
+- `topk`: `select_topk`'s kernel of a block per row (checked against its twin), beside `torch.topk` on the same
+  scores;
+- `topk tokens`: YAKV's token rows (`--tokens` scores per KV head, `--token-k` selected): the split kernels, whose
+  radix select spreads each row over many blocks (checked against the twin), beside `torch.topk`;
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
 - `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
 
 Both scans are checked against each other on the same inputs before they are timed.
 
-    python -m benchmarks.selection_kernels --device cuda          # an H200 machine, ~20 s
+    python -m benchmarks.selection_kernels --device cuda          # an H200 machine, ~1 min
 """
 
 from __future__ import annotations
@@ -39,15 +42,29 @@ def scan_case(rows: int, slots: int, units: int, h: float, device: torch.device)
     return held.contiguous(), wanted.contiguous(), valid
 
 
+def topk_rows(batch: int, rows: int, scores: torch.Tensor, k: int, name: str) -> list[dict]:
+    """The kernel (checked against the twin) and torch.topk on the same `[rows, N]` scores."""
+    got = select_topk_op(scores, k)
+    same = bool(torch.equal(got.cpu(), select_topk_reference(scores.cpu(), k)))
+    kernel_us = graph_us(lambda: select_topk_op(scores, k), scores.device, reps=50)
+    torch_us = graph_us(lambda: scores.topk(k, dim=-1), scores.device, reps=50)
+    common = dict(batch=batch, rows=rows, n=scores.shape[-1], k=k)
+    return [
+        dict(**common, kernel=name, us=round(kernel_us, 2), same=same, vs_torch=round(torch_us / kernel_us, 2)),
+        dict(**common, kernel=f"torch.topk ({name})", us=round(torch_us, 2), same="", vs_torch=1.0),
+    ]
+
+
 def measure(batch: int, args, device: torch.device) -> list[dict]:
     rows = batch * args.heads
     scores = torch.softmax(torch.randn(rows, args.chunks, device=device) * 3, dim=-1)
     out = []
 
-    got = select_topk_op(scores, args.k)
-    same = bool(torch.equal(got.cpu(), select_topk_reference(scores.cpu(), args.k)))
-    us = graph_us(lambda: select_topk_op(scores, args.k), device, reps=50)
-    out.append(dict(batch=batch, rows=rows, kernel="topk", us=round(us, 2), same=same))
+    out += topk_rows(batch, rows, scores, args.k, "topk")
+    if args.tokens:
+        tokens = torch.randn(rows, args.tokens, device=device) * 4  # YAKV's scores: query-key logits
+        out += topk_rows(batch, rows, tokens, args.token_k, "topk tokens")
+        del tokens
     held, wanted, valid = scan_case(rows, args.k, args.chunks, args.h, device)
     results = {}
     for name, units in (("scan pairwise", 0), ("scan bitmap", args.chunks)):
@@ -63,7 +80,8 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
     copy_us = graph_us(lambda: ids.copy_(held), device, reps=50)
     same = all(torch.equal(a, b) for a, b in zip(results["scan pairwise"][:2], results["scan bitmap"][:2]))
     for name, (_, _, us) in results.items():
-        out.append(dict(batch=batch, rows=rows, kernel=name, us=round(us - copy_us, 2), same=same))
+        out.append(dict(batch=batch, rows=rows, n=args.chunks, k=args.k, kernel=name, us=round(us - copy_us, 2),
+                        same=same, vs_torch=""))  # fmt: skip
     for row in out:
         log(row)
     return out
@@ -77,6 +95,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16380)
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--h", type=float, default=0.6)
+    p.add_argument("--tokens", type=int, default=131072, help="YAKV's token rows: scores per KV head (0: none)")
+    p.add_argument("--token-k", type=int, default=4096, help="YAKV's selected tokens per KV head")
     p.add_argument("--name", default="selection_kernels_cuda_128k")
     add_results_dir_option(p)
     args = p.parse_args()
@@ -88,12 +108,13 @@ def main() -> None:
         rows += measure(batch, args, device)
         free(device)
     env = environment(str(device), "float32")
-    notes = (f"One layer: {args.heads} KV heads per row, {args.chunks} chunks, k = {args.k}, h = {args.h}; µs per "
-             "call as CUDA graph replays (the scan's time less the copy that resets its ids). `same`: the top-k gave "
-             "its twin's indices; both scans gave the same ids and misses.")  # fmt: skip
-    columns = ["batch", "rows", "kernel", "us", "same"]
+    notes = (f"One layer: {args.heads} KV heads per row, {args.chunks} chunks, k = {args.k}, h = {args.h}; YAKV's "
+             f"token rows {args.tokens} scores, k = {args.token_k}. µs per call as CUDA graph replays (the scan's time "
+             "less the copy that resets its ids). `same`: the top-k gave its twin's indices; both scans gave the same "
+             "ids and misses. `vs_torch`: torch.topk's time over the kernel's on the same scores.")  # fmt: skip
+    columns = ["batch", "rows", "n", "k", "kernel", "us", "vs_torch", "same"]
     plot = {"x": "batch", "y": "us", "series": "kernel", "ylabel": "µs per layer"}
-    title = "Chunk selection kernels at 128K: top-k, pairwise or bitmap scan"
+    title = "Selection kernels at 128K: top-k of chunks and of YAKV's tokens (against torch.topk), the temporal scan"
     write_results(args.name, title, env, rows, columns, plot, notes)
 
 

@@ -214,3 +214,11 @@ __device__ __forceinline__ void warp_hadamard(float (&x)[EPL], int lanes) {
         }
     }
 }
+
+/// \brief A float's bits as an unsigned key in the order of a descending sort: larger floats give larger keys,
+///        -0.0 equals +0.0, and every NaN is above +inf (where torch.sort puts NaN).
+__device__ __forceinline__ unsigned order_key(float f) {
+    if (f != f) return 0xffffffffu;
+    const unsigned u = f == 0.0f ? 0u : __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}

@@ -11,14 +11,6 @@
 #define TOPK_THREADS 1024
 #define TOPK_MAX_K 2048  // shared memory holds k candidates (key and index)
 
-/// \brief A float's bits as an unsigned key in the order of a descending sort: larger floats give larger keys,
-///        -0.0 equals +0.0, and every NaN is above +inf (where torch.sort puts NaN).
-__device__ __forceinline__ unsigned order_key(float f) {
-    if (f != f) return 0xffffffffu;
-    const unsigned u = f == 0.0f ? 0u : __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 /// \brief The k best of one row, by the whole block (one block per row): a most-significant-digit radix select finds
 ///        the k-th largest key (four passes of 8-bit digits, each a shared histogram), then one pass in index order
 ///        gathers the keys above it and the first (by index) of those equal to it, and each candidate's rank among
@@ -27,8 +19,8 @@ __device__ __forceinline__ unsigned order_key(float f) {
 /// Output order is that of a stable descending sort: higher scores first, equal scores by ascending index. So the
 /// selection never depends on the launch (no atomics decide which of equal scores are taken).
 ///
-/// ITEMS > 0: the row has at most ITEMS * TOPK_THREADS scores and each thread keeps its ITEMS keys in registers,
-/// read from memory once (all loads in flight together); ITEMS = 0: every pass reads the row again (any N).
+/// The row has at most ITEMS * TOPK_THREADS scores and each thread keeps its ITEMS keys in registers, read from memory
+/// once (all loads in flight together). Longer rows take select_topk_split.cu's kernels.
 template <int ITEMS>
 __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, long long* __restrict__ dst, int N,
                                                  int k) {
@@ -41,18 +33,12 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tiles = (N + TOPK_THREADS - 1) / TOPK_THREADS;  // element i = tile * TOPK_THREADS + tid
-    unsigned held[ITEMS > 0 ? ITEMS : 1];
-    if (ITEMS > 0) {
+    unsigned held[ITEMS];
 #pragma unroll
-        for (int j = 0; j < (ITEMS > 0 ? ITEMS : 1); ++j) {
-            const int i = j * TOPK_THREADS + tid;
-            held[j] = i < N ? order_key(row[i]) : 0u;
-        }
+    for (int j = 0; j < ITEMS; ++j) {
+        const int i = j * TOPK_THREADS + tid;
+        held[j] = i < N ? order_key(row[i]) : 0u;
     }
-    auto key_at = [&](int j, int i) -> unsigned {
-        if (ITEMS > 0) return held[j];
-        return i < N ? order_key(row[i]) : 0u;
-    };
 
     // Radix select. `prefix` holds the digits of the k-th largest key found so far (bits under `mask`), `need` its
     // rank among the keys that share them.
@@ -62,22 +48,20 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
         for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
         __syncthreads();
 #pragma unroll
-        for (int j = 0; j < (ITEMS > 0 ? ITEMS : 1); ++j) {
-            for (int t = j; t < (ITEMS > 0 ? j + 1 : tiles); ++t) {  // the same trip count for every lane
-                const int i = t * TOPK_THREADS + tid;
-                const unsigned key = key_at(j, i);
-                const bool counts = i < N && (key & mask) == prefix;
-                const unsigned digit = counts ? (key >> shift) & 255u : 256u;
-                // Scores cluster (probabilities share their top bits), so all lanes of a warp often hit one bin:
-                // such a warp adds once. Otherwise each lane adds; `__match_any_sync` to add each bin's lanes once
-                // was slower (35.8 against 32.8 us a layer at batch 1 on an H200 machine,
-                // `selection_kernels_cuda_128k_vote`), as was peeling a warp's first three digits by ballots.
-                const unsigned first = __shfl_sync(0xffffffffu, digit, 0);
-                if (__all_sync(0xffffffffu, digit == first)) {
-                    if (lane == 0 && first < 256u) atomicAdd(&hist[first], 32u);
-                } else if (counts) {
-                    atomicAdd(&hist[digit], 1u);
-                }
+        for (int j = 0; j < ITEMS; ++j) {
+            const int i = j * TOPK_THREADS + tid;
+            const unsigned key = held[j];
+            const bool counts = i < N && (key & mask) == prefix;
+            const unsigned digit = counts ? (key >> shift) & 255u : 256u;
+            // Scores cluster (probabilities share their top bits), so all lanes of a warp often hit one bin:
+            // such a warp adds once. Otherwise each lane adds; `__match_any_sync` to add each bin's lanes once
+            // was slower (35.8 against 32.8 us a layer at batch 1 on an H200 machine,
+            // `selection_kernels_cuda_128k_vote`), as was peeling a warp's first three digits by ballots.
+            const unsigned first = __shfl_sync(0xffffffffu, digit, 0);
+            if (__all_sync(0xffffffffu, digit == first)) {
+                if (lane == 0 && first < 256u) atomicAdd(&hist[first], 32u);
+            } else if (counts) {
+                atomicAdd(&hist[digit], 1u);
             }
         }
         __syncthreads();
@@ -120,41 +104,39 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
     int equal_taken = 0;  // the same in every thread
     bool done = false;    // likewise
 #pragma unroll
-    for (int j = 0; j < (ITEMS > 0 ? ITEMS : 1); ++j) {
-        for (int t = j; t < (ITEMS > 0 ? j + 1 : tiles); ++t) {
-            if (done || t >= tiles) break;  // uniform
-            const int i = t * TOPK_THREADS + tid;
-            const unsigned key = key_at(j, i);
-            if (i < N && key > kth) {
-                const int at = atomicAdd(&s_above, 1);
-                cand_key[at] = key;
-                cand_idx[at] = i;
-            }
-            const bool equal = i < N && key == kth;
-            const unsigned ballot = __ballot_sync(0xffffffffu, equal);
-            if (lane == 0) warp_counts[warp] = __popc(ballot);
-            __syncthreads();
-            const int found_above = s_above;  // final for this tile: the next tile's atomics follow the sync below
-            // Equal keys before this warp's in the tile: a scan over the warps' counts, lane w holding warp w's.
-            const int mine = lane < TOPK_THREADS / 32 ? warp_counts[lane] : 0;
-            int incl = mine;
-            for (int off = 1; off < 32; off <<= 1) {
-                const int up = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += up;
-            }
-            const int before = __shfl_sync(0xffffffffu, incl - mine, warp);
-            const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
-            if (equal) {
-                const int r = equal_taken + before + __popc(ballot & ((1u << lane) - 1u));
-                if (r < need) {
-                    cand_key[above + r] = key;
-                    cand_idx[above + r] = i;
-                }
-            }
-            equal_taken += tile_total;
-            __syncthreads();  // warp_counts is rewritten next tile
-            done = equal_taken >= need && found_above == above;  // every candidate is in
+    for (int j = 0; j < ITEMS; ++j) {
+        if (done || j >= tiles) break;  // uniform
+        const int i = j * TOPK_THREADS + tid;
+        const unsigned key = held[j];
+        if (i < N && key > kth) {
+            const int at = atomicAdd(&s_above, 1);
+            cand_key[at] = key;
+            cand_idx[at] = i;
         }
+        const bool equal = i < N && key == kth;
+        const unsigned ballot = __ballot_sync(0xffffffffu, equal);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        const int found_above = s_above;  // final for this tile: the next tile's atomics follow the sync below
+        // Equal keys before this warp's in the tile: a scan over the warps' counts, lane w holding warp w's.
+        const int mine = lane < TOPK_THREADS / 32 ? warp_counts[lane] : 0;
+        int incl = mine;
+        for (int off = 1; off < 32; off <<= 1) {
+            const int up = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += up;
+        }
+        const int before = __shfl_sync(0xffffffffu, incl - mine, warp);
+        const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
+        if (equal) {
+            const int r = equal_taken + before + __popc(ballot & ((1u << lane) - 1u));
+            if (r < need) {
+                cand_key[above + r] = key;
+                cand_idx[above + r] = i;
+            }
+        }
+        equal_taken += tile_total;
+        __syncthreads();  // warp_counts is rewritten next tile
+        done = equal_taken >= need && found_above == above;  // every candidate is in
     }
     __syncthreads();
     // Rank of each candidate among the k: higher keys first, equal keys (only the k-th's) by index.
@@ -172,14 +154,10 @@ __device__ __forceinline__ void select_topk_impl(const float* __restrict__ row, 
 
 /// \param scores      [R, N] fp32, row r at scores + r * row_stride (unit stride within a row)
 /// \param out         [R, k] int64, out: indices of the k best scores of each row, best first
-/// \param N           scores per row (select_topk_regs: at most TOPK_REG_ITEMS * TOPK_THREADS)
+/// \param N           scores per row, at most TOPK_REG_ITEMS * TOPK_THREADS
 /// \param k           1 <= k <= min(N, TOPK_MAX_K)
 /// Launch: grid R, block TOPK_THREADS.
 #define TOPK_REG_ITEMS 16
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-    select_topk(const float* __restrict__ scores, long long row_stride, long long* __restrict__ out, int N, int k) {
-    select_topk_impl<0>(scores + (long long)blockIdx.x * row_stride, out + (long long)blockIdx.x * k, N, k);
-}
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) select_topk_regs(const float* __restrict__ scores,
                                                                             long long row_stride,
                                                                             long long* __restrict__ out, int N,

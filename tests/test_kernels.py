@@ -606,7 +606,23 @@ def topk_scores(rows, n, kind, gen):
 
 @pytest.mark.parametrize(
     "rows, n, k",
-    [(8, 16376, 256), (352, 16376, 256), (3, 5, 5), (2, 3000, 2048), (5, 1, 1), (1, 70001, 777), (40, 1024, 1)],
+    [
+        (8, 16376, 256),
+        (352, 16376, 256),
+        (3, 5, 5),
+        (2, 3000, 2048),
+        (5, 1, 1),
+        (40, 1024, 1),
+        # The split kernels: rows past one block's registers (YAKV's tokens at 128K), k past 2048, k == N, more
+        # rows than the grid needs parts for (one part per row), and a row of 2^20 scores over many parts.
+        (1, 70001, 777),
+        (8, 131072, 4096),
+        (3, 40000, 5000),
+        (2, 3000, 2049),
+        (1, 16384, 16384),
+        (600, 20000, 100),
+        (1, 1 << 20, 64),
+    ],
 )
 @pytest.mark.parametrize("kind", ["probs", "ties", "masked"])
 def test_select_topk_kernel_matches_twin(rows, n, k, kind):
@@ -636,6 +652,21 @@ def test_select_topk_kernel_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), select_topk_reference(scores.cpu(), 300))
+
+
+def test_select_topk_split_kernels_replay_in_a_cuda_graph():
+    """Long rows: the digit launches, their zeroed workspace and the sort replay with new scores."""
+    gen = torch.Generator().manual_seed(3)
+    scores = topk_scores(16, 50000, "probs", gen).to(CUDA)
+    select_topk(scores, 3000)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select_topk(scores, 3000)
+    for kind in ("ties", "masked"):
+        scores.copy_(topk_scores(16, 50000, kind, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), select_topk_reference(scores.cpu(), 3000))
 
 
 def int8_landmark_case(batch, heads, group, chunks, dim, dtype, shared, seed):

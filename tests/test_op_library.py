@@ -133,9 +133,9 @@ def _rebuild(device, g, rotary=48, interleaved=False, shared=False):
     return keys, a, b, ids, miss, positions, inv_freq, scaling, rotary, interleaved
 
 
-def _select_topk(device, g, k=7):
+def _select_topk(device, g, k=7, n=40):
     """Scores with ties (rounded to quarters), NaN, -0.0 beside +0.0 and -inf (not selectable) entries."""
-    scores = (torch.randn(2, 3, 40, generator=g) * 4).round() / 4
+    scores = (torch.randn(2, 3, n, generator=g) * 4).round() / 4
     scores[0, 0, :12] = float("-inf")
     scores[0, 1, 3], scores[0, 1, 5] = -0.0, 0.0
     scores[1, 2, 9] = float("nan")
@@ -205,6 +205,8 @@ VARIANTS = {
     "gather_values[native]": ("gather_values", lambda d, g: _gather_values(d, g, "native")),
     "gather_values[fp8]": ("gather_values", lambda d, g: _gather_values(d, g, "fp8")),
     "select_topk[all]": ("select_topk", lambda d, g: _select_topk(d, g, k=40)),
+    # Rows past one block's registers: the split kernels (select_topk_split.cu).
+    "select_topk[split]": ("select_topk", lambda d, g: _select_topk(d, g, k=3000, n=17000)),
 }
 CASES = {**{name: (name, fn) for name, fn in SAMPLES.items()}, **VARIANTS}
 # GPU against CPU: (rtol, atol) where the dtype's defaults do not fit. The kernels exponentiate with __expf and sum in

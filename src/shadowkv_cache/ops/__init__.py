@@ -46,6 +46,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),
     # The k best scores of each (row, head), best first: a radix select per row, then each candidate's rank.
     "select_topk": ("shadowkv_cache.ops.select_topk", "select_topk_reference"),
+    # Rows too long for one block's registers (YAKV's tokens): radix digits across blocks, collect, rank.
+    "select_topk_split": ("shadowkv_cache.ops.select_topk", "select_topk_reference"),
     "temporal_scan": ("shadowkv_cache.ops.temporal_scan", "temporal_scan_reference"),
 }
 
@@ -60,6 +62,6 @@ OPERATORS: dict[str, tuple[str, ...]] = {
     "quantize_higgs": ("quantize_higgs",),
     "rebuild_missed": ("rebuild_missed",),
     "rope_missed": ("rebuild_keys",),
-    "select_topk": ("select_topk",),
+    "select_topk": ("select_topk", "select_topk_split"),
     "temporal_scan": ("temporal_scan",),
 }

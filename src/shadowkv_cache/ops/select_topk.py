@@ -3,8 +3,10 @@
 Legend: R rows (every leading index of the scores), N scores per row, k selected.
 
 `select_topk_reference` is the definition: a stable descending sort, first `k` (equal scores by ascending index, NaN
-first, -0.0 equal to +0.0). `kernels/select_topk.cu` computes it in one kernel per layer (a radix select in each
-row's block, then each candidate's rank); torch.topk took two or more kernels and a sort (see the kernel).
+first, -0.0 equal to +0.0). Rows of up to 16K scores (ShadowKV's chunks) take `kernels/select_topk.cu`, one kernel
+per layer (a radix select in each row's block, then each candidate's rank); longer rows (YAKV's tokens) or `k` above
+2048 take `kernels/select_topk_split.cu`, whose radix select splits each row over many blocks (one launch per digit),
+then collects and sorts each row's `k`. torch.topk took two or more kernels and a sort for either (see the kernels).
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ import ctypes
 import torch
 
 from .library import define_op
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, max_shared_bytes, multiprocessors
 
-__all__ = ["MAX_K", "REGISTER_ROW", "kernel_fits", "select_topk", "select_topk_op", "select_topk_reference"]
+__all__ = ["MAX_K", "REGISTER_ROW", "SPLIT_MAX_K", "kernel_fits", "select_topk", "select_topk_op",
+           "select_topk_reference"]  # fmt: skip
 
-MAX_K = 2048  # TOPK_MAX_K in the kernel
-_THREADS = 1024  # TOPK_THREADS in the kernel
-# TOPK_REG_ITEMS * TOPK_THREADS: rows up to this long are read once, into registers. Longer rows (YAKV's tokens) take
-# the kernel that reads the row again at each pass, one block per row; it is tested but not yet measured against
-# torch.topk's multi-block kernels, so `policies/base.py` sends only rows up to this long here.
+MAX_K = 2048  # TOPK_MAX_K in select_topk.cu: larger k take the split kernels
+_THREADS = 1024  # TOPK_THREADS in select_topk.cu
+# TOPK_REG_ITEMS * TOPK_THREADS: rows up to this long are read once, into one block's registers.
 REGISTER_ROW = 16 * _THREADS
-_MAX_ROWS = 2**31 - 1  # the grid's x dimension
+# The split kernels sort each row's k keys in shared memory (8 bytes each, k rounded up to a power of two).
+SPLIT_MAX_K = 16384
+_SPLIT_THREADS, _SPLIT_PART = 512, 512 * 32  # SPLIT_THREADS and SPLIT_THREADS * SPLIT_ITEMS in select_topk_split.cu
+_SPLIT_WORDS = 6 + 2048  # WORK_WORDS: a row's state and histogram, int32 words
+_SORT_THREADS = 1024
+_SCORE_DIGITS = ((53, 11), (42, 11), (32, 10))  # (shift, bits) of the 64-bit keys' score half, from the top
+_BLOCKS_PER_SM = 4  # the split kernels' grid: enough parts per row for about this many blocks per multiprocessor
+_MAX_ROWS = 2**31 - 1  # the grid's x dimension (select_topk.cu)
+_MAX_SPLIT_ROWS = 65535  # the grid's y dimension (select_topk_split.cu)
 
 
 def select_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -34,8 +43,8 @@ def select_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`select_topk_reference`'s indices: the kernel for fp32 scores on a CUDA device with kernels and
-    `1 <= k <= min(N, 2048)`, otherwise the twin.
+    """`select_topk_reference`'s indices: the kernels for fp32 scores on a CUDA device with kernels and
+    `1 <= k <= min(N, 16384)`, otherwise the twin.
 
     Args:
         scores (`torch.Tensor`): `[..., N]` float scores (any strides; the kernel reads rows of unit stride).
@@ -49,24 +58,40 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return select_topk_op(scores, k)
 
 
+def _split(n: int, k: int) -> bool:
+    """Whether rows of `n` scores and this `k` take the split kernels."""
+    return n > REGISTER_ROW or k > MAX_K
+
+
 def kernel_fits(scores: torch.Tensor, k: int) -> bool:
-    """fp32 scores on a CUDA device with kernels and sm_70+ (the kernel's `__match_any_sync`), `1 <= k <= 2048`, rows
-    of fewer than 2^31 - 1024 scores (the kernel counts them in int), at most the grid's rows."""
-    rows = scores.numel() // max(scores.shape[-1], 1)
-    return (
+    """fp32 scores on a CUDA device with kernels and sm_70+ (the kernels' warp votes), `1 <= k <= min(N, 16384)`,
+    rows of fewer than 2^31 - 1024 scores (the kernels count them in int), at most the grid's rows, and for the split
+    kernels the shared memory of their sort."""
+    n = scores.shape[-1]
+    rows = scores.numel() // max(n, 1)
+    if not (
         kernels_available(scores.device)
         and scores.dtype == torch.float32
-        and 0 < k <= min(scores.shape[-1], MAX_K)
-        and 0 < rows <= _MAX_ROWS
-        and scores.shape[-1] < 2**31 - _THREADS
+        and 0 < k <= min(n, SPLIT_MAX_K)
+        and 0 < rows
+        and n < 2**31 - _THREADS
         and torch.cuda.get_device_capability(scores.device) >= (7, 0)
-    )
+    ):
+        return False
+    if not _split(n, k):
+        return rows <= _MAX_ROWS
+    return rows <= _MAX_SPLIT_ROWS and _sort_width(k) * 8 <= max_shared_bytes(scores.device)
+
+
+def _sort_width(k: int) -> int:
+    return 1 << max(k - 1, 0).bit_length()
 
 
 def _check_k(scores: torch.Tensor, k: int) -> None:
+    n = scores.shape[-1]
     torch._check(
-        0 < k <= min(scores.shape[-1], MAX_K),
-        lambda: f"the select_topk operator takes 1 <= k <= min(N, {MAX_K}), got k={k} of N={scores.shape[-1]}",
+        0 < k <= min(n, SPLIT_MAX_K),
+        lambda: f"the select_topk operator takes 1 <= k <= min(N, {SPLIT_MAX_K}), got k={k} of N={n}",
     )
 
 
@@ -82,17 +107,62 @@ def _indices_like(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 @define_op("select_topk(Tensor scores, int k) -> Tensor", cpu=_twin, fake=_indices_like)
 def select_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`torch.ops.shadowkv.select_topk`: the kernel on fp32 `scores` `[..., N]`, `1 <= k <= min(N, 2048)`."""
+    """`torch.ops.shadowkv.select_topk`: the kernels on fp32 `scores` `[..., N]`, `1 <= k <= min(N, 16384)`."""
     n = scores.shape[-1]
     rows = scores.reshape(-1, n)  # a view for the usual contiguous scores; a copy otherwise
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = _indices_like(scores, k)  # checks k
-    if rows.shape[0]:
+    if not rows.shape[0]:
+        return out
+    if not _split(n, k):
         load_kernels("select_topk", scores.device).launch(
-            "select_topk_regs" if n <= REGISTER_ROW else "select_topk",
+            "select_topk_regs",
             grid=(rows.shape[0], 1, 1),
             block=(_THREADS, 1, 1),
             args=[rows, (rows.stride(0), ctypes.c_longlong), out, (n, ctypes.c_int), (k, ctypes.c_int)],
         )
+        return out
+    _select_split(rows, k, out)
     return out
+
+
+def _select_split(rows: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """The split kernels on `rows` `[R, N]` (unit stride within a row) into `out` (`R * k` int64)."""
+    r, n = rows.shape
+    device = rows.device
+    kernels = load_kernels("select_topk_split", device)
+    # Enough parts per row to give the grid about _BLOCKS_PER_SM blocks per multiprocessor, each a whole number of
+    # the block's threads and at most what its registers hold.
+    parts = -(-_BLOCKS_PER_SM * multiprocessors(device) // r)
+    part = min(_SPLIT_PART, max(_SPLIT_THREADS, -(-n // parts // _SPLIT_THREADS) * _SPLIT_THREADS))
+    grid = (-(-n // part), r, 1)
+    work = torch.zeros(r, _SPLIT_WORDS, dtype=torch.int32, device=device)
+    common = [rows, (rows.stride(0), ctypes.c_longlong), work]
+    sizes = [(n, ctypes.c_int), (k, ctypes.c_int), (part, ctypes.c_int)]
+    for shift, bits in _digits(n):
+        args = [*common, *sizes, (shift, ctypes.c_int), (bits, ctypes.c_int)]
+        kernels.launch("topk_digits", grid=grid, block=(_SPLIT_THREADS, 1, 1), args=args)
+    candidates = torch.empty(r, k, dtype=torch.int64, device=device)
+    kernels.launch("topk_collect", grid=grid, block=(_SPLIT_THREADS, 1, 1), args=[*common, candidates, *sizes])
+    width = _sort_width(k)
+    kernels.set_max_dynamic_shared("topk_sort", width * 8)
+    kernels.launch(
+        "topk_sort",
+        grid=(r, 1, 1),
+        block=(_SORT_THREADS, 1, 1),
+        args=[candidates, out, (n, ctypes.c_int), (k, ctypes.c_int), (width, ctypes.c_int)],
+        shared_bytes=width * 8,
+    )
+
+
+def _digits(n: int) -> list[tuple[int, int]]:
+    """(shift, bits) of each digit launch: the score's three, then the index half's (its low `bit_length(n - 1)`
+    bits, 11 at a time from the top): a fixed count per shape, so a captured graph holds them all."""
+    digits = list(_SCORE_DIGITS)
+    low = max(1, (n - 1).bit_length())
+    while low > 0:
+        bits = min(11, low)
+        low -= bits
+        digits.append((low, bits))
+    return digits

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..ops.select_topk import REGISTER_ROW, kernel_fits, select_topk_op
+from ..ops.select_topk import kernel_fits, select_topk_op
 
 __all__ = ["SelectionPolicy", "best_indices", "grouped_query"]
 
@@ -32,11 +32,11 @@ def grouped_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def best_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices `[..., k]` of the `k` largest of `scores` `[..., N]`, best first: `torch.topk`'s, up to which of equally
-    scored units are taken and their order. On CUDA, rows of up to 16K scores (ShadowKV's chunks) take the top-k
-    kernel (`ops/select_topk.py`: equal scores by ascending index); otherwise few rows shorter than torch.topk's
-    multi-block size go through `two_stage_topk`."""
+    scored units are taken and their order. On CUDA with the kernels, `k` up to 16384 takes the top-k kernels
+    (`ops/select_topk.py`: ShadowKV's chunk rows and YAKV's token rows alike, equal scores by ascending index);
+    otherwise few rows shorter than torch.topk's multi-block size go through `two_stage_topk`."""
     n = scores.shape[-1]
-    if n <= REGISTER_ROW and kernel_fits(scores, k):
+    if kernel_fits(scores, k):
         return select_topk_op(scores, k)  # `select_topk` would ask `kernel_fits` again
     rows = scores.numel() // max(n, 1)
     part = 4 * k
