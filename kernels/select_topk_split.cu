@@ -3,106 +3,64 @@
 //
 // What this replaces: torch.topk on YAKV's token scores (131,072 per KV head at 128K, k = 4096), whose multi-block
 // radix select took 13.5 ms of a 93.6 ms step at batch 22 on an H200 machine (`yakv_profile_128k_batch22_imma`);
-// select_topk.cu's block per row reads a long row at one multiprocessor's share of the bandwidth. Here every (row,
-// part) is a block, so the grid fills the GPU at any batch:
+// select_topk.cu's block per row reads a long row at one multiprocessor's share of the bandwidth. A radix select
+// with one launch per digit read the whole row six times and was slower than torch.topk (614 against 435 us at 176
+// rows, `selection_kernels_cuda_128k_split`). Here each row is read twice, by blocks of (row, part) that fill the GPU
+// at any batch, and what is left fits one block's shared memory:
 //
-// 1. `topk_digits`, one launch per digit: each block counts the digit of those of its part's keys that match the
-//    digits found so far (a shared histogram) and adds the counts into the row's; the row's last block to finish
-//    finds the bin that holds the k-th key and moves the row's state on.
-// 2. `topk_collect`: every key at or above the k-th goes to the row's candidates (exactly k of them).
-// 3. `topk_sort`: each row's candidates, sorted in shared memory (bitonic), give its indices best first.
+// 1. `topk_histogram`: every block counts the top 12 bits of its part's keys and adds them into its row's histogram;
+//    the row's last block to finish finds the bin of the k-th key, the keys above it and the keys in it.
+// 2. `topk_filter`: the keys above the bin go to the row's candidates (fewer than k), the keys in it to the row's
+//    bin buffer (a typical row's bin holds a small share of N: a sixteenth of a binade of scores).
+// 3. `topk_finish`, a block per row: a radix select of the rest of the bits among the bin's keys in shared memory
+//    adds the k-th and the keys above it to the candidates, which are sorted in shared memory (bitonic) into
+//    indices. A bin of more keys than the buffer holds (heavy ties: masked rows) is read from the row itself by the
+//    block, once per digit: slower, the same result.
 //
 // Keys are 64-bit and distinct: the score's order key above N - 1 - index, so equal scores order by ascending index
-// and the k-th key is one key. Digits run from the top bit: three of the score (11, 11, 10 bits), then the index's
-// bits. A row whose k-th bin holds exactly the keys it still needs is done: its remaining launches return at once
-// (a row whose k-th score is not tied is done after the score's digits).
+// and the k-th key is one key.
 //
-// Legend: R rows, N scores per row, k selected, P parts (blocks) per row.
+// Legend: R rows, N scores per row, k selected, P parts (blocks) per row, C the bin buffer's keys per row.
 #include "common.cuh"
 
 #define SPLIT_THREADS 512
-#define SPLIT_ITEMS 32  // a part is at most SPLIT_THREADS * SPLIT_ITEMS scores
-#define SPLIT_BINS 2048  // 11-bit digits
-#define SORT_THREADS 1024
+#define SPLIT_ITEMS 32     // a part is at most SPLIT_THREADS * SPLIT_ITEMS scores
+#define TOP_SHIFT 52       // the first digit: the key's top 12 bits (the order key's sign, exponent, 3 mantissa bits)
+#define TOP_BINS 4096
+#define FINISH_THREADS 1024
+#define FINISH_BINS 2048   // the finish's digits: 11 bits
 
 typedef unsigned long long u64;
 
-/// The row's state between launches, at the head of its workspace (zeroed before the first launch).
+/// A row's state between the launches, at the head of its workspace (zeroed before the first launch).
 struct RowState {
-    u64 prefix;  // the digits of the k-th key found so far (bits under `mask`)
-    u64 mask;    // 0 before the first digit
-    int need;    // the k-th key's rank among the keys that share `prefix`
-    int done;    // the keys under `prefix` are exactly the `need` still needed
-    int arrived; // blocks of this launch that have added their counts
-    int taken;   // candidates written by topk_collect
+    int bin;      // the top digit of the k-th key
+    int above;    // keys of a higher top digit (fewer than k)
+    int in_bin;   // keys of the k-th key's top digit
+    int arrived;  // blocks of topk_histogram that have added their counts
+    int taken;    // keys above the bin written by topk_filter
+    int binned;   // keys of the bin written by topk_filter
+    int unused[2];
 };
-#define WORK_WORDS (6 + SPLIT_BINS)  // int32 words per row: the state (24 bytes), then the histogram
+#define STATE_WORDS 8
+static_assert(sizeof(RowState) == STATE_WORDS * sizeof(int), "the histogram follows the state");
+#define WORK_WORDS (STATE_WORDS + TOP_BINS)  // int32 words per row
 
 __device__ __forceinline__ u64 row_key(const float* __restrict__ row, int i, int N) {
     return ((u64)order_key(row[i]) << 32) | (unsigned)(N - 1 - i);
 }
 
-/// \brief One digit of every row's radix select: this block's part of the row counted into the row's histogram; the
-///        row's last block to arrive finds the bin of the k-th key and narrows the row's state to it.
-/// \param scores      [R, N] fp32, row r at scores + r * row_stride (unit stride within a row)
-/// \param work        [R, WORK_WORDS] int32, zeroed before the first digit's launch; in-out
-/// \param N, k        scores per row, selected (1 <= k <= N)
-/// \param part        scores per block, a multiple of SPLIT_THREADS up to SPLIT_THREADS * SPLIT_ITEMS
-/// \param shift, bits this launch's digit: bits [shift, shift + bits) of the 64-bit key, bits <= 11
-/// Launch: grid (P, R) with P = ceil(N / part), block SPLIT_THREADS.
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-    topk_digits(const float* __restrict__ scores, long long row_stride, int* __restrict__ work, int N, int k,
-                int part, int shift, int bits) {
-    __shared__ unsigned hist[SPLIT_BINS];
-    __shared__ int warp_sums[SPLIT_THREADS / 32];
-    __shared__ bool last;
-    RowState* st = reinterpret_cast<RowState*>(work + (long long)blockIdx.y * WORK_WORDS);
-    unsigned* row_hist = reinterpret_cast<unsigned*>(work + (long long)blockIdx.y * WORK_WORDS + 6);
-    if (st->done) return;  // the same for every block of the row
-    const u64 prefix = st->prefix, mask = st->mask;
+/// \brief The bin holding the need-th largest key, by the whole block: thread t holds the counts of bins
+///        BINS - 1 - PER t - j (j < PER), so an inclusive scan over threads counts the keys from the top bin down.
+///        The one thread whose bins hold it writes the bin, the keys above it and the bin's count. The caller
+///        synchronises before reading them.
+template <int PER, int THREADS>
+__device__ __forceinline__ void find_bin(const unsigned (&count)[PER], unsigned need, int* warp_sums, int* bin_out,
+                                         unsigned* above_out, unsigned* count_out) {
     const int tid = threadIdx.x, lane = tid & 31;
-    const float* row = scores + (long long)blockIdx.y * row_stride;
-    const unsigned digit_mask = (1u << bits) - 1u;
-
-    for (int b = tid; b < SPLIT_BINS; b += SPLIT_THREADS) hist[b] = 0;
-    __syncthreads();
-    const int begin = blockIdx.x * part, end = min(begin + part, N);
-    unsigned digits[SPLIT_ITEMS];
+    unsigned sum = 0;
 #pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {  // every load in flight before any is counted
-        const int i = begin + j * SPLIT_THREADS + tid;
-        const u64 key = i < end ? row_key(row, i, N) : 0ull;
-        digits[j] = i < end && (key & mask) == prefix ? (unsigned)(key >> shift) & digit_mask : SPLIT_BINS;
-    }
-#pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        // A warp whose lanes share a digit (clustered scores, or no lane matching) adds once.
-        const unsigned first = __shfl_sync(0xffffffffu, digits[j], 0);
-        if (__all_sync(0xffffffffu, digits[j] == first)) {
-            if (lane == 0 && first < SPLIT_BINS) atomicAdd(&hist[first], 32u);
-        } else if (digits[j] < SPLIT_BINS) {
-            atomicAdd(&hist[digits[j]], 1u);
-        }
-    }
-    __syncthreads();
-    for (int b = tid; b < SPLIT_BINS; b += SPLIT_THREADS)
-        if (hist[b]) atomicAdd(&row_hist[b], hist[b]);
-    __threadfence();  // this block's counts reach the row's histogram before its arrival is counted
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(&st->arrived, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-
-    // The row's last block: thread t holds bins 2047 - 4t down to 2044 - 4t (read and zeroed for the next digit), so
-    // an inclusive scan over threads counts the keys from the top bin down.
-    __threadfence();
-    constexpr int PER = SPLIT_BINS / SPLIT_THREADS;
-    unsigned count[PER], sum = 0;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        count[j] = atomicExch(&row_hist[SPLIT_BINS - 1 - PER * tid - j], 0u);
-        sum += count[j];
-    }
+    for (int j = 0; j < PER; ++j) sum += count[j];
     unsigned incl = sum;
     for (int off = 1; off < 32; off <<= 1) {
         const unsigned up = __shfl_up_sync(0xffffffffu, incl, off);
@@ -111,73 +69,194 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     if (lane == 31) warp_sums[tid >> 5] = (int)incl;
     __syncthreads();
     for (int w = 0; w < (tid >> 5); ++w) incl += (unsigned)warp_sums[w];
-    const unsigned need = mask == 0ull ? (unsigned)k : (unsigned)st->need;
     unsigned run = incl - sum;
-    __syncthreads();  // every thread has read `need` before it is rewritten
     if (run < need && need <= incl) {  // exactly one thread
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             if (run + count[j] >= need) {
-                const u64 bin = (u64)(SPLIT_BINS - 1 - PER * tid - j);
-                st->prefix = prefix | (bin << shift);
-                st->mask = mask | ((u64)digit_mask << shift);
-                st->need = (int)(need - run);
-                st->done = count[j] == need - run;
+                *bin_out = PER * THREADS - 1 - PER * tid - j;
+                *above_out = run;
+                *count_out = count[j];
                 break;
             }
             run += count[j];
         }
     }
-    if (tid == 0) st->arrived = 0;
 }
 
-/// \brief The keys at or above each row's k-th (exactly k), in no particular order.
-/// \param cand  [R, k] u64, out: the keys of each row's k best scores, in no particular order
-/// Launch: as topk_digits (after the last digit: every row is done).
+/// \brief The top digits of every row's keys: this block's part counted into the row's histogram; the row's last
+///        block to arrive finds the k-th key's bin.
+/// \param scores      [R, N] fp32, row r at scores + r * row_stride (unit stride within a row)
+/// \param work        [R, WORK_WORDS] int32, zeroed; out: each row's state
+/// \param N, k        scores per row, selected (1 <= k <= N)
+/// \param part        scores per block, a multiple of SPLIT_THREADS up to SPLIT_THREADS * SPLIT_ITEMS
+/// Launch: grid (P, R) with P = ceil(N / part), block SPLIT_THREADS.
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-    topk_collect(const float* __restrict__ scores, long long row_stride, int* __restrict__ work,
-                 u64* __restrict__ cand, int N, int k, int part) {
+    topk_histogram(const float* __restrict__ scores, long long row_stride, int* __restrict__ work, int N, int k,
+                   int part) {
+    __shared__ unsigned hist[TOP_BINS];
+    __shared__ int warp_sums[SPLIT_THREADS / 32];
+    __shared__ bool last;
     RowState* st = reinterpret_cast<RowState*>(work + (long long)blockIdx.y * WORK_WORDS);
-    const u64 prefix = st->prefix, mask = st->mask;
+    unsigned* row_hist = reinterpret_cast<unsigned*>(work + (long long)blockIdx.y * WORK_WORDS + STATE_WORDS);
     const int tid = threadIdx.x, lane = tid & 31;
     const float* row = scores + (long long)blockIdx.y * row_stride;
-    u64* out = cand + (long long)blockIdx.y * k;
+
+    for (int b = tid; b < TOP_BINS; b += SPLIT_THREADS) hist[b] = 0;
+    __syncthreads();
+    const int begin = blockIdx.x * part, end = min(begin + part, N);
+    unsigned digits[SPLIT_ITEMS];
+#pragma unroll
+    for (int j = 0; j < SPLIT_ITEMS; ++j) {  // every load in flight before any is counted
+        const int i = begin + j * SPLIT_THREADS + tid;
+        digits[j] = i < end ? order_key(row[i]) >> (TOP_SHIFT - 32) : TOP_BINS;
+    }
+#pragma unroll
+    for (int j = 0; j < SPLIT_ITEMS; ++j) {
+        // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once.
+        const unsigned first = __shfl_sync(0xffffffffu, digits[j], 0);
+        if (__all_sync(0xffffffffu, digits[j] == first)) {
+            if (lane == 0 && first < TOP_BINS) atomicAdd(&hist[first], 32u);
+        } else if (digits[j] < TOP_BINS) {
+            atomicAdd(&hist[digits[j]], 1u);
+        }
+    }
+    __syncthreads();
+    for (int b = tid; b < TOP_BINS; b += SPLIT_THREADS)
+        if (hist[b]) atomicAdd(&row_hist[b], hist[b]);
+    __threadfence();  // this block's counts reach the row's histogram before its arrival is counted
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&st->arrived, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+
+    __threadfence();
+    constexpr int PER = TOP_BINS / SPLIT_THREADS;
+    unsigned count[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) count[j] = __ldcg(&row_hist[TOP_BINS - 1 - PER * tid - j]);  // L2: other blocks'
+    find_bin<PER, SPLIT_THREADS>(count, (unsigned)k, warp_sums, &st->bin, reinterpret_cast<unsigned*>(&st->above),
+                                 reinterpret_cast<unsigned*>(&st->in_bin));
+}
+
+/// \brief A warp's keys where `take` holds, appended at `dst[*counter ...]` (at most `cap` of them).
+__device__ __forceinline__ void append(bool take, u64 key, int* counter, u64* dst, int cap) {
+    const unsigned ballot = __ballot_sync(0xffffffffu, take);
+    if (!ballot) return;  // uniform
+    const int lane = threadIdx.x & 31;
+    int base = 0;
+    if (lane == 0) base = atomicAdd(counter, __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    const int at = base + __popc(ballot & ((1u << lane) - 1u));
+    if (take && at < cap) dst[at] = key;  // the bound keeps a broken state in bounds
+}
+
+/// \brief The keys above each row's k-th key's bin to its candidates, and the bin's keys to its bin buffer when they
+///        fit (in no particular order).
+/// \param cand    [R, k] u64, out: the first `above` of each row
+/// \param binbuf  [R, C] u64, out: the first `in_bin` of each row, when in_bin <= C
+/// Launch: as topk_histogram.
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+    topk_filter(const float* __restrict__ scores, long long row_stride, int* __restrict__ work, u64* __restrict__ cand,
+                u64* __restrict__ binbuf, int N, int k, int part, int C) {
+    RowState* st = reinterpret_cast<RowState*>(work + (long long)blockIdx.y * WORK_WORDS);
+    const unsigned bin = (unsigned)st->bin;
+    const bool buffered = st->in_bin <= C;
+    const float* row = scores + (long long)blockIdx.y * row_stride;
     const int begin = blockIdx.x * part, end = min(begin + part, N);
     u64 keys[SPLIT_ITEMS];
 #pragma unroll
     for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        const int i = begin + j * SPLIT_THREADS + tid;
+        const int i = begin + j * SPLIT_THREADS + threadIdx.x;
         keys[j] = i < end ? row_key(row, i, N) : 0ull;
     }
 #pragma unroll
     for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        const int i = begin + j * SPLIT_THREADS + tid;
-        // At or above the k-th key in its decided digits: above it, or among the keys that share them (all taken).
-        const bool take = i < end && (keys[j] & mask) >= prefix;
-        const unsigned ballot = __ballot_sync(0xffffffffu, take);
-        if (!ballot) continue;  // uniform
-        int base = 0;
-        if (lane == 0) base = atomicAdd(&st->taken, __popc(ballot));
-        base = __shfl_sync(0xffffffffu, base, 0);
-        const int at = base + __popc(ballot & ((1u << lane) - 1u));
-        if (take && at < k) out[at] = keys[j];  // exactly k are taken; the bound keeps a broken state in bounds
+        const unsigned digit = (unsigned)(keys[j] >> TOP_SHIFT);
+        const bool valid = begin + j * SPLIT_THREADS + (int)threadIdx.x < end;
+        append(valid && digit > bin, keys[j], &st->taken, cand + (long long)blockIdx.y * k, k);
+        append(valid && buffered && digit == bin, keys[j], &st->binned, binbuf + (long long)blockIdx.y * C, C);
     }
 }
 
-/// \brief Each row's k candidates sorted best first (bitonic, in shared memory), written as indices.
+/// \brief Each row's k best, best first: the radix select of the k-th key among its bin's keys, then the bitonic
+///        sort of the k candidates, written as indices.
 /// \param out    [R, k] int64, out: indices of each row's k best scores, best first (equal scores by index)
-/// \param width  k rounded up to a power of two (the sort's width); dynamic shared memory width * 8 bytes
-/// Launch: grid R, block SORT_THREADS.
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    topk_sort(const u64* __restrict__ cand, long long* __restrict__ out, int N, int k, int width) {
-    extern __shared__ u64 keys[];
-    const u64* src = cand + (long long)blockIdx.x * k;
-    for (int i = threadIdx.x; i < width; i += SORT_THREADS) keys[i] = i < k ? src[i] : 0ull;  // 0: below every key
+/// \param width  k rounded up to a power of two (the sort's width)
+/// Dynamic shared memory (width + C) * 8 bytes. Launch: grid R, block FINISH_THREADS.
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS)
+    topk_finish(const float* __restrict__ scores, long long row_stride, const int* __restrict__ work,
+                const u64* __restrict__ cand, const u64* __restrict__ binbuf, long long* __restrict__ out, int N,
+                int k, int C, int width) {
+    extern __shared__ u64 smem[];
+    u64* keys = smem;              // [width]: the candidates, sorted
+    u64* bin_keys = smem + width;  // [C]: the bin's keys, when buffered
+    __shared__ unsigned hist[FINISH_BINS];
+    __shared__ int warp_sums[FINISH_THREADS / 32];
+    __shared__ int s_bin, s_taken;
+    __shared__ unsigned s_above, s_count;
+    const int tid = threadIdx.x;
+    const RowState* st = reinterpret_cast<const RowState*>(work + (long long)blockIdx.x * WORK_WORDS);
+    const int above = st->above, in_bin = st->in_bin;
+    const u64 top = (u64)st->bin;
+    const bool buffered = in_bin <= C;
+    const float* row = scores + (long long)blockIdx.x * row_stride;
+    const int count = buffered ? in_bin : N;  // the keys each digit reads: the buffer's, or the row's
+    for (int i = tid; i < above; i += FINISH_THREADS) keys[i] = cand[(long long)blockIdx.x * k + i];
+    if (buffered)
+        for (int i = tid; i < in_bin; i += FINISH_THREADS) bin_keys[i] = binbuf[(long long)blockIdx.x * C + i];
+    if (tid == 0) s_taken = 0;
+    __syncthreads();
+
+    // The digits below the top one: the score's 20 (11, 9), then the index's low bit_length(N - 1), 11 at a time.
+    u64 prefix = top << TOP_SHIFT, mask = 0xfffull << TOP_SHIFT;
+    unsigned need = (unsigned)(k - above);
+    bool done = (unsigned)in_bin == need;
+    int shift = 41, bits = 11, low = max(1, 32 - __clz(N - 1));
+    while (!done && bits > 0) {
+        for (int b = tid; b < FINISH_BINS; b += FINISH_THREADS) hist[b] = 0;
+        __syncthreads();
+        const unsigned digit_mask = (1u << bits) - 1u;
+        for (int i = tid; i < count; i += FINISH_THREADS) {
+            const u64 key = buffered ? bin_keys[i] : row_key(row, i, N);
+            if ((key & mask) == prefix) atomicAdd(&hist[(unsigned)(key >> shift) & digit_mask], 1u);
+        }
+        __syncthreads();
+        constexpr int PER = FINISH_BINS / FINISH_THREADS;
+        unsigned counts[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) counts[j] = hist[FINISH_BINS - 1 - PER * tid - j];
+        find_bin<PER, FINISH_THREADS>(counts, need, warp_sums, &s_bin, &s_above, &s_count);
+        __syncthreads();
+        prefix |= (u64)s_bin << shift;
+        mask |= (u64)digit_mask << shift;
+        need -= s_above;
+        done = s_count == need;
+        // The next digit: the score's last 9 bits, then the index's from the top.
+        if (shift == 41) {
+            shift = 32;
+            bits = 9;
+        } else {
+            bits = min(11, low);
+            low -= bits;
+            shift = low;
+        }
+    }
+    // The bin's keys at or above the k-th in the decided digits: exactly k - above of them.
+    for (int i = tid; i < count; i += FINISH_THREADS) {
+        const u64 key = buffered ? bin_keys[i] : row_key(row, i, N);
+        if ((key >> TOP_SHIFT) == top && (key & mask) >= prefix) {
+            const int at = above + atomicAdd(&s_taken, 1);
+            if (at < k) keys[at] = key;
+        }
+    }
+    __syncthreads();
+    for (int i = k + tid; i < width; i += FINISH_THREADS) keys[i] = 0ull;  // 0: below every key
     // Bitonic sort, descending: pairs (lo, lo + stride) within each run of `size`, runs alternating direction.
     for (int size = 2; size <= width; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
             __syncthreads();
-            for (int t = threadIdx.x; t < width / 2; t += SORT_THREADS) {
+            for (int t = tid; t < width / 2; t += FINISH_THREADS) {
                 const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
                 const bool descending = (lo & size) == 0;
                 const u64 a = keys[lo], b = keys[hi];
@@ -190,5 +269,5 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     }
     __syncthreads();
     long long* dst = out + (long long)blockIdx.x * k;
-    for (int i = threadIdx.x; i < k; i += SORT_THREADS) dst[i] = (long long)(N - 1) - (long long)(unsigned)keys[i];
+    for (int i = tid; i < k; i += FINISH_THREADS) dst[i] = (long long)(N - 1) - (long long)(unsigned)keys[i];
 }

@@ -613,10 +613,12 @@ def topk_scores(rows, n, kind, gen):
         (2, 3000, 2048),
         (5, 1, 1),
         (40, 1024, 1),
-        # The split kernels: rows past one block's registers (YAKV's tokens at 128K), k past 2048, k == N, more
-        # rows than the grid needs parts for (one part per row), and a row of 2^20 scores over many parts.
+        # The split kernels: rows past one block's registers (YAKV's tokens at 128K, at batch 1 and 8), k past 2048,
+        # k == N (a bin past the buffer: the row read again), more rows than the grid needs parts for (one part per
+        # row), and a row of 2^20 scores over many parts.
         (1, 70001, 777),
         (8, 131072, 4096),
+        (64, 131072, 4096),
         (3, 40000, 5000),
         (2, 3000, 2049),
         (1, 16384, 16384),

@@ -5,8 +5,9 @@ Legend: R rows (every leading index of the scores), N scores per row, k selected
 `select_topk_reference` is the definition: a stable descending sort, first `k` (equal scores by ascending index, NaN
 first, -0.0 equal to +0.0). Rows of up to 16K scores (ShadowKV's chunks) take `kernels/select_topk.cu`, one kernel
 per layer (a radix select in each row's block, then each candidate's rank); longer rows (YAKV's tokens) or `k` above
-2048 take `kernels/select_topk_split.cu`, whose radix select splits each row over many blocks (one launch per digit),
-then collects and sorts each row's `k`. torch.topk took two or more kernels and a sort for either (see the kernels).
+2048 take `kernels/select_topk_split.cu`: a histogram of each row's top bits by many blocks per row, a filter of the
+keys above and in the k-th key's bin, and a block per row that selects within the bin and sorts the `k`. torch.topk
+took two or more kernels and a sort for either (see the kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from .library import define_op
 from .loader import kernels_available, load_kernels, max_shared_bytes, multiprocessors
 
-__all__ = ["MAX_K", "REGISTER_ROW", "SPLIT_MAX_K", "kernel_fits", "select_topk", "select_topk_op",
+__all__ = ["BIN_KEYS", "MAX_K", "REGISTER_ROW", "SPLIT_MAX_K", "kernel_fits", "select_topk", "select_topk_op",
            "select_topk_reference"]  # fmt: skip
 
 MAX_K = 2048  # TOPK_MAX_K in select_topk.cu: larger k take the split kernels
@@ -28,9 +29,11 @@ REGISTER_ROW = 16 * _THREADS
 # The split kernels sort each row's k keys in shared memory (8 bytes each, k rounded up to a power of two).
 SPLIT_MAX_K = 16384
 _SPLIT_THREADS, _SPLIT_PART = 512, 512 * 32  # SPLIT_THREADS and SPLIT_THREADS * SPLIT_ITEMS in select_topk_split.cu
-_SPLIT_WORDS = 6 + 2048  # WORK_WORDS: a row's state and histogram, int32 words
-_SORT_THREADS = 1024
-_SCORE_DIGITS = ((53, 11), (42, 11), (32, 10))  # (shift, bits) of the 64-bit keys' score half, from the top
+_SPLIT_WORDS = 8 + 4096  # WORK_WORDS: a row's state and histogram of top digits, int32 words
+_FINISH_THREADS = 1024
+# The bin buffer's keys per row (C in select_topk_split.cu): a bin of more keys (heavy ties) is read from the row.
+BIN_KEYS = 8192
+_FINISH_STATIC = 2048 * 4 + 32 * 4 + 16  # topk_finish's static shared memory: its histogram, warp sums, results
 _BLOCKS_PER_SM = 4  # the split kernels' grid: enough parts per row for about this many blocks per multiprocessor
 _MAX_ROWS = 2**31 - 1  # the grid's x dimension (select_topk.cu)
 _MAX_SPLIT_ROWS = 65535  # the grid's y dimension (select_topk_split.cu)
@@ -80,11 +83,16 @@ def kernel_fits(scores: torch.Tensor, k: int) -> bool:
         return False
     if not _split(n, k):
         return rows <= _MAX_ROWS
-    return rows <= _MAX_SPLIT_ROWS and _sort_width(k) * 8 <= max_shared_bytes(scores.device)
+    return rows <= _MAX_SPLIT_ROWS and _finish_shared(k) + _FINISH_STATIC <= max_shared_bytes(scores.device)
 
 
 def _sort_width(k: int) -> int:
     return 1 << max(k - 1, 0).bit_length()
+
+
+def _finish_shared(k: int) -> int:
+    """topk_finish's dynamic shared memory: the sort's keys and the bin buffer's."""
+    return (_sort_width(k) + BIN_KEYS) * 8
 
 
 def _check_k(scores: torch.Tensor, k: int) -> None:
@@ -138,31 +146,20 @@ def _select_split(rows: torch.Tensor, k: int, out: torch.Tensor) -> None:
     part = min(_SPLIT_PART, max(_SPLIT_THREADS, -(-n // parts // _SPLIT_THREADS) * _SPLIT_THREADS))
     grid = (-(-n // part), r, 1)
     work = torch.zeros(r, _SPLIT_WORDS, dtype=torch.int32, device=device)
-    common = [rows, (rows.stride(0), ctypes.c_longlong), work]
-    sizes = [(n, ctypes.c_int), (k, ctypes.c_int), (part, ctypes.c_int)]
-    for shift, bits in _digits(n):
-        args = [*common, *sizes, (shift, ctypes.c_int), (bits, ctypes.c_int)]
-        kernels.launch("topk_digits", grid=grid, block=(_SPLIT_THREADS, 1, 1), args=args)
     candidates = torch.empty(r, k, dtype=torch.int64, device=device)
-    kernels.launch("topk_collect", grid=grid, block=(_SPLIT_THREADS, 1, 1), args=[*common, candidates, *sizes])
-    width = _sort_width(k)
-    kernels.set_max_dynamic_shared("topk_sort", width * 8)
+    bin_keys = torch.empty(r, BIN_KEYS, dtype=torch.int64, device=device)
+    head = [rows, (rows.stride(0), ctypes.c_longlong), work]
+    n_k = [(n, ctypes.c_int), (k, ctypes.c_int)]
+    block = (_SPLIT_THREADS, 1, 1)
+    kernels.launch("topk_histogram", grid=grid, block=block, args=[*head, *n_k, (part, ctypes.c_int)])
+    args = [*head, candidates, bin_keys, *n_k, (part, ctypes.c_int), (BIN_KEYS, ctypes.c_int)]
+    kernels.launch("topk_filter", grid=grid, block=block, args=args)
+    shared = _finish_shared(k)
+    kernels.set_max_dynamic_shared("topk_finish", shared)
     kernels.launch(
-        "topk_sort",
+        "topk_finish",
         grid=(r, 1, 1),
-        block=(_SORT_THREADS, 1, 1),
-        args=[candidates, out, (n, ctypes.c_int), (k, ctypes.c_int), (width, ctypes.c_int)],
-        shared_bytes=width * 8,
+        block=(_FINISH_THREADS, 1, 1),
+        args=[*head, candidates, bin_keys, out, *n_k, (BIN_KEYS, ctypes.c_int), (_sort_width(k), ctypes.c_int)],
+        shared_bytes=shared,
     )
-
-
-def _digits(n: int) -> list[tuple[int, int]]:
-    """(shift, bits) of each digit launch: the score's three, then the index half's (its low `bit_length(n - 1)`
-    bits, 11 at a time from the top): a fixed count per shape, so a captured graph holds them all."""
-    digits = list(_SCORE_DIGITS)
-    low = max(1, (n - 1).bit_length())
-    while low > 0:
-        bits = min(11, low)
-        low -= bits
-        digits.append((low, bits))
-    return digits
