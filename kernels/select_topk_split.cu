@@ -28,6 +28,7 @@
 #define TOP_SHIFT 52       // the first digit: the key's top 12 bits (the order key's sign, exponent, 3 mantissa bits)
 #define TOP_BINS 4096
 #define FINISH_THREADS 1024
+#define FILTER_ITEMS 8  // topk_filter's part: SPLIT_THREADS * FILTER_ITEMS scores, several blocks per SM
 #define FINISH_BINS 2048   // the finish's digits: 11 bits
 
 typedef unsigned long long u64;
@@ -38,7 +39,7 @@ struct RowState {
     int above;    // keys of a higher top digit (fewer than k)
     int in_bin;   // keys of the k-th key's top digit
     int arrived;  // blocks of topk_histogram that have added their counts
-    int taken;    // keys above the bin written by topk_filter
+    int taken;    // keys above the bin written by topk_filter (8-byte aligned: one 64-bit atomic with binned)
     int binned;   // keys of the bin written by topk_filter
     int unused[2];
 };
@@ -113,7 +114,10 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     }
 #pragma unroll
     for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once.
+        // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once. Scores of a few binades
+        // share ~100 bins, so the shared atomics bound this kernel (~1 key per cycle and SM); adding each digit once
+        // with its lanes' count (__match_any_sync) took 259 against 110 us at 176 rows on an H200 machine, and
+        // warps taking turns over two histograms changed nothing.
         const unsigned first = __shfl_sync(0xffffffffu, digits[j], 0);
         if (__all_sync(0xffffffffu, digits[j] == first)) {
             if (lane == 0 && first < TOP_BINS) atomicAdd(&hist[first], 32u);
@@ -149,63 +153,64 @@ __device__ __forceinline__ int take_kind(unsigned order, bool valid, unsigned bi
 /// \brief The keys above each row's k-th key's bin to its candidates, and the bin's keys to its bin buffer when they
 ///        fit (in no particular order).
 ///
-/// Each block takes its places with one atomic per output (the block's counts, summed over its warps' ballots):
-/// an atomic per warp and item on the row's counter serialised on that address (the collect kernel of the digit-per-
-/// launch version took 240 of its 614 us at 176 rows on an H200 machine).
+/// Each block takes its places with one atomic (the block's two counts in one 64-bit word, summed over its warps'
+/// ballots): an atomic per warp and item on the row's counter serialised on that address (the collect kernel of the
+/// digit-per-launch version took 240 of its 614 us at 176 rows on an H200 machine). Parts are small (8 scores per
+/// thread) so that several blocks share an SM and one's loads overlap another's counting: parts of 32 per thread in
+/// 128 registers, one block per SM, took 219 us at 176 rows.
 /// \param cand    [R, k] u64, out: the first `above` of each row
 /// \param binbuf  [R, C] u64, out: the first `in_bin` of each row, when in_bin <= C
-/// Launch: as topk_histogram.
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)  // one block per SM, its 32 loads per thread in flight
+/// Launch: grid (ceil(N / (SPLIT_THREADS * FILTER_ITEMS)), R), block SPLIT_THREADS.
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3)
     topk_filter(const float* __restrict__ scores, long long row_stride, int* __restrict__ work, u64* __restrict__ cand,
-                u64* __restrict__ binbuf, int N, int k, int part, int C) {
-    __shared__ int warp_above[SPLIT_THREADS / 32], warp_in[SPLIT_THREADS / 32];
-    __shared__ int base_above, base_in;
+                u64* __restrict__ binbuf, int N, int k, int C) {
+    __shared__ u64 warp_counts[SPLIT_THREADS / 32];  // a warp's (in the bin) << 32 | (above), then its offsets
     RowState* st = reinterpret_cast<RowState*>(work + (long long)blockIdx.y * WORK_WORDS);
     const unsigned bin = (unsigned)st->bin;
     const bool buffered = st->in_bin <= C;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = scores + (long long)blockIdx.y * row_stride;
-    const int begin = blockIdx.x * part, end = min(begin + part, N);
-    unsigned orders[SPLIT_ITEMS];  // the keys' score halves (the index half follows from the position)
+    const int begin = blockIdx.x * (SPLIT_THREADS * FILTER_ITEMS);
+    unsigned orders[FILTER_ITEMS];  // the keys' score halves (the index half follows from the position)
 #pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {
+    for (int j = 0; j < FILTER_ITEMS; ++j) {
         const int i = begin + j * SPLIT_THREADS + tid;
-        orders[j] = i < end ? order_key(row[i]) : 0u;
+        orders[j] = i < N ? order_key(row[i]) : 0u;
     }
-    int n_above = 0, n_in = 0;  // this warp's, the same in every lane
+    unsigned n_above = 0, n_in = 0;  // this warp's, the same in every lane
 #pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        const int c = take_kind(orders[j], begin + j * SPLIT_THREADS + tid < end, bin, buffered);
+    for (int j = 0; j < FILTER_ITEMS; ++j) {
+        const int c = take_kind(orders[j], begin + j * SPLIT_THREADS + tid < N, bin, buffered);
         n_above += __popc(__ballot_sync(0xffffffffu, c == 1));
         n_in += __popc(__ballot_sync(0xffffffffu, c == 2));
     }
-    if (lane == 0) {
-        warp_above[warp] = n_above;
-        warp_in[warp] = n_in;
-    }
+    if (lane == 0) warp_counts[warp] = ((u64)n_in << 32) | n_above;
     __syncthreads();
-    if (tid == 0) {
-        int a = 0, b = 0;
-        for (int w = 0; w < SPLIT_THREADS / 32; ++w) {
-            const int wa = warp_above[w], wb = warp_in[w];
-            warp_above[w] = a;
-            warp_in[w] = b;
-            a += wa;
-            b += wb;
+    if (warp == 0) {  // exclusive scan of the warps' counts, then the block's places in the row's outputs
+        const u64 mine = lane < SPLIT_THREADS / 32 ? warp_counts[lane] : 0ull;
+        u64 incl = mine;
+        for (int off = 1; off < 32; off <<= 1) {
+            const u64 up = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += up;
         }
-        base_above = a ? atomicAdd(&st->taken, a) : 0;
-        base_in = b ? atomicAdd(&st->binned, b) : 0;
+        const u64 total = __shfl_sync(0xffffffffu, incl, 31);
+        u64 base = 0;
+        // taken and binned are adjacent (taken low): one atomic for both; taken < k never carries into binned.
+        if (lane == 0 && total) base = atomicAdd(reinterpret_cast<u64*>(&st->taken), total);
+        base = __shfl_sync(0xffffffffu, base, 0);
+        if (lane < SPLIT_THREADS / 32) warp_counts[lane] = base + incl - mine;
     }
     __syncthreads();
-    int at_above = base_above + warp_above[warp], at_in = base_in + warp_in[warp];
+    int at_above = (int)(unsigned)warp_counts[warp], at_in = (int)(warp_counts[warp] >> 32);
     u64* row_cand = cand + (long long)blockIdx.y * k;
     u64* row_bin = binbuf + (long long)blockIdx.y * C;
     const unsigned below = (1u << lane) - 1u;
 #pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        const int c = take_kind(orders[j], begin + j * SPLIT_THREADS + tid < end, bin, buffered);
+    for (int j = 0; j < FILTER_ITEMS; ++j) {
+        const int i = begin + j * SPLIT_THREADS + tid;
+        const int c = take_kind(orders[j], i < N, bin, buffered);
         const unsigned up = __ballot_sync(0xffffffffu, c == 1), in = __ballot_sync(0xffffffffu, c == 2);
-        const u64 key = ((u64)orders[j] << 32) | (unsigned)(N - 1 - (begin + j * SPLIT_THREADS + tid));
+        const u64 key = ((u64)orders[j] << 32) | (unsigned)(N - 1 - i);
         // The bounds keep a broken state in bounds.
         if (c == 1 && at_above + __popc(up & below) < k) row_cand[at_above + __popc(up & below)] = key;
         if (c == 2 && at_in + __popc(in & below) < C) row_bin[at_in + __popc(in & below)] = key;

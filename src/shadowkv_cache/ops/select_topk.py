@@ -28,7 +28,9 @@ _THREADS = 1024  # TOPK_THREADS in select_topk.cu
 REGISTER_ROW = 16 * _THREADS
 # The split kernels sort each row's k keys in shared memory (8 bytes each, k rounded up to a power of two).
 SPLIT_MAX_K = 16384
-_SPLIT_THREADS, _SPLIT_PART = 512, 512 * 32  # SPLIT_THREADS and SPLIT_THREADS * SPLIT_ITEMS in select_topk_split.cu
+# SPLIT_THREADS, SPLIT_THREADS * SPLIT_ITEMS (topk_histogram's largest part) and SPLIT_THREADS * FILTER_ITEMS
+# (topk_filter's part) in select_topk_split.cu.
+_SPLIT_THREADS, _SPLIT_PART, _FILTER_PART = 512, 512 * 32, 512 * 8
 _SPLIT_WORDS = 8 + 4096  # WORK_WORDS: a row's state and histogram of top digits, int32 words
 _FINISH_THREADS = 1024
 # The bin buffer's keys per row (C in select_topk_split.cu): a bin of more keys (heavy ties) is read from the row.
@@ -152,8 +154,8 @@ def _select_split(rows: torch.Tensor, k: int, out: torch.Tensor) -> None:
     n_k = [(n, ctypes.c_int), (k, ctypes.c_int)]
     block = (_SPLIT_THREADS, 1, 1)
     kernels.launch("topk_histogram", grid=grid, block=block, args=[*head, *n_k, (part, ctypes.c_int)])
-    args = [*head, candidates, bin_keys, *n_k, (part, ctypes.c_int), (BIN_KEYS, ctypes.c_int)]
-    kernels.launch("topk_filter", grid=grid, block=block, args=args)
+    args = [*head, candidates, bin_keys, *n_k, (BIN_KEYS, ctypes.c_int)]
+    kernels.launch("topk_filter", grid=(-(-n // _FILTER_PART), r, 1), block=block, args=args)
     shared = _finish_shared(k)
     kernels.set_max_dynamic_shared("topk_finish", shared)
     kernels.launch(
