@@ -5,13 +5,13 @@
 // radix select took 13.5 ms of a 93.6 ms step at batch 22 on an H200 machine (`yakv_profile_128k_batch22_imma`);
 // select_topk.cu's block per row reads a long row at one multiprocessor's share of the bandwidth. A radix select
 // with one launch per digit read the whole row six times and was slower than torch.topk (614 against 435 us at 176
-// rows, `selection_kernels_cuda_128k_split`). Here each row is read twice, by blocks of (row, part) that fill the GPU
-// at any batch, and what is left fits one block's shared memory:
+// rows). Here each row is read twice, by blocks of (row, part) that fill the GPU at any batch, and what is left fits
+// one block's shared memory: 293 against torch.topk's 443 us at 176 rows (`selection_kernels_cuda_128k_split`).
 //
 // 1. `topk_histogram`: every block counts the top 12 bits of its part's keys and adds them into its row's histogram;
 //    the row's last block to finish finds the bin of the k-th key, the keys above it and the keys in it.
 // 2. `topk_filter`: the keys above the bin go to the row's candidates (fewer than k), the keys in it to the row's
-//    bin buffer (a typical row's bin holds a small share of N: a sixteenth of a binade of scores).
+//    bin buffer (a typical row's bin holds a small share of N: an eighth of a binade of scores).
 // 3. `topk_finish`, a block per row: a radix select of the rest of the bits among the bin's keys in shared memory
 //    adds the k-th and the keys above it to the candidates, which are sorted in shared memory (bitonic) into
 //    indices. A bin of more keys than the buffer holds (heavy ties: masked rows) is read from the row itself by the
