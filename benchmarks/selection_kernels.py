@@ -10,8 +10,8 @@ them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) fo
 
 - `topk`: `select_topk`'s kernel of a block per row (checked against its twin), beside `torch.topk` on the same
   scores;
-- `topk tokens`: YAKV's token rows (`--tokens` scores per KV head, `--token-k` selected): the split kernels, whose
-  radix select spreads each row over many blocks (checked against the twin), beside `torch.topk`;
+- `topk tokens`: YAKV's token rows (`--tokens` scores per KV head, `--token-k` selected): the split kernels, which
+  spread each row over many blocks (checked against the twin), beside `torch.topk`;
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
 - `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
 

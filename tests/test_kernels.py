@@ -657,7 +657,8 @@ def test_select_topk_kernel_replays_in_a_cuda_graph():
 
 
 def test_select_topk_split_kernels_replay_in_a_cuda_graph():
-    """Long rows: the digit launches, their zeroed workspace and the sort replay with new scores."""
+    """Long rows: the histogram, filter and finish launches, their zeroed workspace and buffers replay with new
+    scores."""
     gen = torch.Generator().manual_seed(3)
     scores = topk_scores(16, 50000, "probs", gen).to(CUDA)
     select_topk(scores, 3000)

@@ -46,7 +46,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "softmax_group_max": ("shadowkv_cache.ops.score_codes", "attention_scores"),
     # The k best scores of each (row, head), best first: a radix select per row, then each candidate's rank.
     "select_topk": ("shadowkv_cache.ops.select_topk", "select_topk_reference"),
-    # Rows too long for one block's registers (YAKV's tokens): radix digits across blocks, collect, rank.
+    # Rows too long for one block's registers (YAKV's tokens): a top-bits histogram across blocks, a filter of the
+    # k-th key's bin and those above it, then a block per row that selects within the bin and sorts.
     "select_topk_split": ("shadowkv_cache.ops.select_topk", "select_topk_reference"),
     "temporal_scan": ("shadowkv_cache.ops.temporal_scan", "temporal_scan_reference"),
 }
