@@ -4,8 +4,7 @@
 // What this replaces: torch.topk on YAKV's token scores (131,072 per KV head at 128K, k = 4096), whose multi-block
 // radix select took 13.5 ms of a 93.6 ms step at batch 22 on an H200 machine (`yakv_profile_128k_batch22_imma`);
 // select_topk.cu's block per row reads a long row at one multiprocessor's share of the bandwidth. A radix select
-// with one launch per digit read the whole row six times and was slower than torch.topk (614 against 435 us at 176
-// rows). Here each row is read twice, by blocks of (row, part) that fill the GPU at any batch, and what is left fits
+// with one launch per digit read the whole row six times and lost to torch.topk at 176 rows (a run not kept). Here each row is read twice, by blocks of (row, part) that fill the GPU at any batch, and what is left fits
 // one block's shared memory: 293 against torch.topk's 443 us at 176 rows (`selection_kernels_cuda_128k_split`).
 //
 // 1. `topk_histogram`: every block counts the top 12 bits of its part's keys and adds them into its row's histogram;
@@ -115,9 +114,10 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 #pragma unroll
     for (int j = 0; j < SPLIT_ITEMS; ++j) {
         // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once. Scores of a few binades
-        // share ~100 bins, so the shared atomics bound this kernel (~1 key per cycle and SM); adding each digit once
-        // with its lanes' count (__match_any_sync) took 259 against 110 us at 176 rows on an H200 machine, and
-        // warps taking turns over two histograms changed nothing.
+        // share ~100 bins, so the shared atomics bound this kernel (3.64 ms of the 88.7 ms YAKV step at batch 22,
+        // `yakv_profile_128k_batch22_split`). Adding each digit once with its lanes' count (__match_any_sync) was
+        // over twice as slow at 176 rows on an H200 machine, and warps taking turns over two histograms changed
+        // nothing (exploratory timings, not kept).
         const unsigned first = __shfl_sync(0xffffffffu, digits[j], 0);
         if (__all_sync(0xffffffffu, digits[j] == first)) {
             if (lane == 0 && first < TOP_BINS) atomicAdd(&hist[first], 32u);
@@ -155,9 +155,9 @@ __device__ __forceinline__ int take_kind(unsigned order, bool valid, unsigned bi
 ///
 /// Each block takes its places with one atomic (the block's two counts in one 64-bit word, summed over its warps'
 /// ballots): an atomic per warp and item on the row's counter serialised on that address (the collect kernel of the
-/// digit-per-launch version took 240 of its 614 us at 176 rows on an H200 machine). Parts are small (8 scores per
-/// thread) so that several blocks share an SM and one's loads overlap another's counting: parts of 32 per thread in
-/// 128 registers, one block per SM, took 219 us at 176 rows.
+/// digit-per-launch version took about 40% of its time that way). Parts are small (8 scores per thread) so that
+/// several blocks share an SM and one's loads overlap another's counting: parts of 32 per thread needed 128
+/// registers, one block per SM, and took about twice as long (exploratory timings on an H200 machine, not kept).
 /// \param cand    [R, k] u64, out: the first `above` of each row
 /// \param binbuf  [R, C] u64, out: the first `in_bin` of each row, when in_bin <= C
 /// Launch: grid (ceil(N / (SPLIT_THREADS * FILTER_ITEMS)), R), block SPLIT_THREADS.
