@@ -13,7 +13,11 @@ them), at Llama-3.1-8B's shape at 128K (Hkv = 8, N = 16380, K = 256, h = 0.6) fo
 - `topk tokens`: YAKV's token rows (`--tokens` scores per KV head, `--token-k` selected): the split kernels, which
   spread each row over many blocks (checked against the twin), beside `torch.topk`;
 - `scan pairwise`: `temporal_scan`'s kernel comparing every slot with every wanted chunk in shared memory;
-- `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory.
+- `scan bitmap`: membership as bits of the N chunks' bitmaps in shared memory;
+- `logits kernel` and `logits cuBLAS`: bf16 landmark logits of the G = 4 query heads of each KV head (the query scaled
+  first, as `LandmarkTopK` does), by the tensor-core kernel or by cuBLAS's GEMM with the query rows padded to 8
+  (`vs_torch`: cuBLAS's time over the kernel's; `same`: equal within a bf16 rounding). `LandmarkTopK` takes the kernel
+  up to `NATIVE_KERNEL_MAX_ROWS` rows (batch x KV heads), chosen from these rows.
 
 Both scans are checked against each other on the same inputs before they are timed.
 
@@ -28,8 +32,11 @@ import torch
 
 from benchmarks.results_io import add_results_dir_option, environment, write_results
 from benchmarks.speed import free, graph_us, log
+from shadowkv_cache.ops.landmark_logits import landmark_logits_native_op
 from shadowkv_cache.ops.select_topk import select_topk_op, select_topk_reference
 from shadowkv_cache.ops.temporal_scan import temporal_scan_op
+from shadowkv_cache.policies.base import grouped_query
+from shadowkv_cache.policies.landmark_topk import landmark_logits
 
 
 def scan_case(rows: int, slots: int, units: int, h: float, device: torch.device):
@@ -82,9 +89,40 @@ def measure(batch: int, args, device: torch.device) -> list[dict]:
     for name, (_, _, us) in results.items():
         out.append(dict(batch=batch, rows=rows, n=args.chunks, k=args.k, kernel=name, us=round(us - copy_us, 2),
                         same=same, vs_torch=""))  # fmt: skip
+    out += logits_rows(batch, args, device)
     for row in out:
         log(row)
     return out
+
+
+def logits_rows(batch: int, args, device: torch.device) -> list[dict]:
+    """bf16 landmark logits of one layer (`[B, Hkv, N, D]` landmarks, `G` query heads per KV head) by the kernel and
+    by cuBLAS, each with the query's scaling as `LandmarkTopK` applies it."""
+    heads, group, dim, scaling = args.heads, 4, 128, 128**-0.5
+    landmarks = torch.randn(batch, heads, args.chunks, dim, device=device, dtype=torch.bfloat16)
+    query = torch.randn(batch, heads * group, 1, dim, device=device, dtype=torch.bfloat16)
+
+    def kernel():
+        return landmark_logits_native_op(grouped_query(query * scaling, heads), landmarks)
+
+    def cublas():
+        return landmark_logits(grouped_query(query * scaling, heads), landmarks)
+
+    got, want = kernel().transpose(2, 3).unsqueeze(3).float(), cublas().float()
+    same = bool(torch.allclose(got, want, rtol=2**-7, atol=1e-3))
+    kernel_us = graph_us(kernel, device, reps=50)
+    cublas_us = graph_us(cublas, device, reps=50)
+    common = dict(batch=batch, rows=batch * heads, n=args.chunks, k="")
+    return [
+        dict(
+            **common,
+            kernel="logits kernel",
+            us=round(kernel_us, 2),
+            same=same,
+            vs_torch=round(cublas_us / kernel_us, 2),
+        ),
+        dict(**common, kernel="logits cuBLAS", us=round(cublas_us, 2), same="", vs_torch=1.0),
+    ]
 
 
 def main() -> None:
@@ -114,7 +152,8 @@ def main() -> None:
              "ids and misses. `vs_torch`: torch.topk's time over the kernel's on the same scores.")  # fmt: skip
     columns = ["batch", "rows", "n", "k", "kernel", "us", "vs_torch", "same"]
     plot = {"x": "batch", "y": "us", "series": "kernel", "ylabel": "µs per layer"}
-    title = "Selection kernels at 128K: top-k of chunks and of YAKV's tokens (against torch.topk), the temporal scan"
+    title = ("Selection kernels at 128K: top-k of chunks and of YAKV's tokens (against torch.topk), the temporal scan, "
+             "landmark logits (kernel against cuBLAS)")  # fmt: skip
     write_results(args.name, title, env, rows, columns, plot, notes)
 
 

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.ops import attend_parts, gather_values
+from shadowkv_cache.ops import attend_parts, gather_values, landmark_logits
 from shadowkv_cache.placement import attention_devices
 from shadowkv_cache.testing import reset_hit_counts
 
@@ -36,6 +36,9 @@ def add_kernel_grid_options(p: argparse.ArgumentParser) -> None:
                    help="the value fetch's grid (FETCH_BLOCKS_PER_SM in ops/gather_values.py), to compare")  # fmt: skip
     p.add_argument("--attend-min-blocks", type=int, default=None,
                    help="blocks per SM the attention kernel must fit (MIN_BLOCKS in ops/attend_parts.py)")  # fmt: skip
+    p.add_argument("--native-landmark-rows", type=int, default=None,
+                   help="batch x KV heads up to which bf16 landmark logits take the kernel rather than cuBLAS "
+                        "(NATIVE_KERNEL_MAX_ROWS in ops/landmark_logits.py; 0: cuBLAS always)")  # fmt: skip
 
 
 def apply_kernel_grid_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -48,6 +51,10 @@ def apply_kernel_grid_options(p: argparse.ArgumentParser, args: argparse.Namespa
         if not 0 <= args.attend_min_blocks <= 16:
             p.error(f"--attend-min-blocks must be in [0, 16] (0: the compiler's choice), got {args.attend_min_blocks}")
         attend_parts.MIN_BLOCKS = args.attend_min_blocks
+    if args.native_landmark_rows is not None:
+        if args.native_landmark_rows < 0:
+            p.error(f"--native-landmark-rows must be >= 0, got {args.native_landmark_rows}")
+        landmark_logits.NATIVE_KERNEL_MAX_ROWS = args.native_landmark_rows
 
 
 def log(*args) -> None:

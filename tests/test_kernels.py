@@ -17,9 +17,16 @@ from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.core.attention import NO_TERMS, LogitTerms
 from shadowkv_cache.core.landmarks import quantize_landmarks
 from shadowkv_cache.hf.adapters import ModelRope, patch_model
+from shadowkv_cache.ops import landmark_logits as landmark_logits_module
 from shadowkv_cache.ops.gather_values import gather_values, gather_values_reference
 from shadowkv_cache.ops.key_rope import slot_products
-from shadowkv_cache.ops.landmark_logits import landmark_logits_int8, landmark_logits_int8_reference
+from shadowkv_cache.ops.landmark_logits import (
+    landmark_logits_int8,
+    landmark_logits_int8_reference,
+    landmark_logits_native,
+    landmark_logits_native_reference,
+    native_kernel_fits,
+)
 from shadowkv_cache.ops.landmark_scores import landmark_scores, landmark_scores_reference
 from shadowkv_cache.ops.loader import kernels_available
 from shadowkv_cache.ops.rebuild_keys import rebuild_keys, rebuild_missed_keys
@@ -744,6 +751,82 @@ def test_landmark_logits_int8_kernel_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     want = landmark_logits_int8_reference(query, codes, scales)
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+def native_landmark_case(batch, heads, group, chunks, dim, dtype, shared, seed):
+    """16-bit landmarks of varied sizes (a zero landmark first: a padding chunk) and a strided query
+    `[B, Hkv, G, 1, D]` of the same dtype, whose heads span a few orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    landmarks = torch.randn(1 if shared else batch, heads, chunks, dim, generator=gen)
+    landmarks = landmarks * torch.exp(torch.randn(*landmarks.shape[:-1], 1, generator=gen))
+    landmarks[:, :, 0] = 0
+    query = torch.randn(batch, heads, group + 1, 1, dim, generator=gen)[:, :, :group]  # strided over the group
+    exponent = torch.empty(batch, heads, group, 1, 1).uniform_(-2.0, 1.0, generator=gen)
+    return (query * 10**exponent).to(dtype).to(CUDA), landmarks.to(dtype).to(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    "batch, heads, group, chunks, shared",
+    [(3, 8, 4, 5000, False), (2, 2, 1, 37, False), (1, 3, 7, 2049, False), (4, 2, 8, 300, True), (2, 1, 4, 5, False),
+     (1, 8, 4, 16380, False)],
+)  # fmt: skip
+def test_landmark_logits_native_kernel_matches_twin(dtype, dim, batch, heads, group, chunks, shared):
+    """Exact products of 16-bit operands, fp32 sums in another order, then the dtype's rounding: within one rounding
+    of the exact logits (fp64) plus fp32's summation error, and as close to the twin."""
+    query, landmarks = native_landmark_case(batch, heads, group, chunks, dim, dtype, shared, chunks + dim + group)
+    assert native_kernel_fits(query, landmarks, max_rows=None)
+    got = landmark_logits_native(query, landmarks)
+    want = landmark_logits_native_reference(query, landmarks)
+    assert got.shape == want.shape == (batch, heads, group, 1, chunks) and got.dtype == dtype
+    exact = torch.matmul(query.double().squeeze(3), landmarks.double().transpose(-1, -2)).unsqueeze(3)
+    spread = torch.matmul(query.double().abs().squeeze(3), landmarks.double().abs().transpose(-1, -2)).unsqueeze(3)
+    bound = torch.finfo(dtype).eps * exact.abs() + 1e-6 * spread + torch.finfo(dtype).tiny
+    for logits in (got, want):
+        assert bool(((logits.double() - exact).abs() <= bound).all())
+    assert bool((got[:, :, :, :, 0] == 0).all())  # the zero landmark
+    assert bool(((got.double() - want.double()).abs() <= 2 * bound).all())
+
+
+def test_landmark_logits_native_kernel_reads_stride_0_rows_and_replays_in_a_cuda_graph():
+    """Rows that share a loaded document hold stride-0 views of its landmarks; the kernel reads the one copy, and a
+    captured launch reads the query it is replayed with."""
+    query, landmarks = native_landmark_case(3, 8, 4, 1000, 128, torch.bfloat16, True, 5)
+    expanded = landmarks.expand(3, -1, -1, -1)
+    torch.testing.assert_close(landmark_logits_native(query, expanded), landmark_logits_native(query, landmarks),
+                               rtol=0, atol=0)  # fmt: skip
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = landmark_logits_native(query, expanded)
+    query.copy_(native_landmark_case(3, 8, 4, 1000, 128, torch.bfloat16, True, 6)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    want = landmark_logits_native_reference(query, landmarks)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_native_landmark_scores_through_the_kernel_are_cublas_scores(batch):
+    """`LandmarkTopK` takes the kernel up to `NATIVE_KERNEL_MAX_ROWS` rows and cuBLAS above: the masked scores of
+    either path agree within the logits' bf16 rounding."""
+    module = landmark_logits_module
+    query = torch.randn(batch, 32, 1, 128, device=CUDA, dtype=torch.bfloat16)
+    landmarks = torch.randn(batch, 8, 4000, 128, device=CUDA, dtype=torch.bfloat16) * 0.3
+    selectable = torch.rand(batch, 8, 4000, device=CUDA) < 0.95
+    policy, state = LandmarkTopK(), {"landmarks": landmarks}
+    grouped = query.view(batch, 8, 4, 1, 128)
+    assert native_kernel_fits(grouped, landmarks)
+    got = policy.masked_scores(query, state, selectable, 0.088)
+    saved = module.NATIVE_KERNEL_MAX_ROWS
+    try:
+        module.NATIVE_KERNEL_MAX_ROWS = 0  # cuBLAS
+        assert not module.native_kernel_fits(grouped, landmarks)
+        want = policy.masked_scores(query, state, selectable, 0.088)
+    finally:
+        module.NATIVE_KERNEL_MAX_ROWS = saved
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-7)
 
 
 def test_int8_landmarks_through_the_kernel_score_as_the_twin_and_change_nothing_at_full_budget(monkeypatch):

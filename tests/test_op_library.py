@@ -21,7 +21,7 @@ from shadowkv_cache.core.attention import LogitTerms
 from shadowkv_cache.core.attention import attend_parts as attend_parts_twin
 from shadowkv_cache.ops.gather_dequant import gather_dequant_reference
 from shadowkv_cache.ops.gather_values import gather_values_reference
-from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference
+from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference, landmark_logits_native_reference
 from shadowkv_cache.ops.landmark_scores import landmark_scores_reference
 from shadowkv_cache.ops.library import NAMESPACE
 from shadowkv_cache.ops.rebuild_keys import RopeLayout, rebuild_keys, rope_reference
@@ -78,6 +78,13 @@ def _landmark_logits(device, g):
     codes = torch.randint(-127, 128, (batch, heads, chunks, dim), generator=g, dtype=torch.int8).to(device)
     scales = (torch.rand(batch, heads, chunks, generator=g) / 100).to(device)
     return q, codes, scales
+
+
+def _landmark_logits_native(device, g):
+    batch, heads, group, chunks, dim = 2, 2, 4, 40, 128
+    q = torch.randn(batch, heads, group, 1, dim, generator=g).to(device, torch.bfloat16)
+    landmarks = torch.randn(batch, heads, chunks, dim, generator=g).to(device, torch.bfloat16)
+    return q, landmarks
 
 
 def _landmark_scores(device, g):
@@ -168,6 +175,7 @@ SAMPLES = {
     "rebuild_missed": _rebuild,
     "attend_parts": _attend,
     "landmark_logits_int8": _landmark_logits,
+    "landmark_logits_native": _landmark_logits_native,
     "landmark_scores": _landmark_scores,
     "quantize_higgs": _quantize,
     "code_scores": _code_scores,
@@ -329,6 +337,10 @@ def test_cpu_implementations_are_the_twins():
     got = op("landmark_logits_int8")(q, codes, scales)  # [B, Hkv, C, G]
     assert torch.equal(got.transpose(2, 3).unsqueeze(3), landmark_logits_int8_reference(q, codes, scales))
 
+    q, landmarks = sample("landmark_logits_native", "cpu")
+    got = op("landmark_logits_native")(q, landmarks)  # [B, Hkv, C, G]
+    assert torch.equal(got.transpose(2, 3).unsqueeze(3), landmark_logits_native_reference(q, landmarks))
+
     logits, selectable = sample("landmark_scores", "cpu")
     assert torch.equal(op("landmark_scores")(logits, selectable), landmark_scores_reference(logits, selectable))
 
@@ -401,6 +413,8 @@ def test_fakes_answer_for_cuda_tensors_without_a_gpu():
         q = torch.empty(4, 8, 6, 1, 128, dtype=torch.bfloat16, device=CUDA)
         codes = torch.empty(4, 8, 500, 128, dtype=torch.int8, device=CUDA)
         logits = op("landmark_logits_int8")(q, codes, torch.empty(4, 8, 500, device=CUDA))
+        assert (logits.shape, logits.dtype, logits.device.type) == ((4, 8, 500, 6), torch.bfloat16, "cuda")
+        logits = op("landmark_logits_native")(q, torch.empty(1, 8, 500, 128, dtype=torch.bfloat16, device=CUDA))
         assert (logits.shape, logits.dtype, logits.device.type) == ((4, 8, 500, 6), torch.bfloat16, "cuda")
         rotated = torch.empty(4, 8, 4, 128, device=CUDA)
         codes = torch.empty(4, 8, 900, 32, dtype=torch.uint8, device=CUDA)

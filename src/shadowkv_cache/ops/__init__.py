@@ -29,7 +29,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "attend_parts": ("shadowkv_cache.ops.attend_parts", "attend_parts_reference"),
     "gather_dequant": ("shadowkv_cache.ops.gather_dequant", "gather_dequant_reference"),
     "gather_values": ("shadowkv_cache.ops.gather_values", "gather_values_reference"),
-    # ShadowKV's landmark logits from int8 landmarks (tensor cores); the twin dequantises and multiplies in fp32.
+    # ShadowKV's landmark logits on tensor cores from int8 landmarks (the twin dequantises and multiplies in fp32) and
+    # from 16-bit ones (their twin, `landmark_logits_native_reference`, is the same product without codes).
     "landmark_logits": ("shadowkv_cache.ops.landmark_logits", "landmark_logits_int8_reference"),
     # ShadowKV's chunk scores from the landmark GEMM's output as it lies: softmax, group max, mask.
     "landmark_scores": ("shadowkv_cache.ops.landmark_scores", "landmark_scores_reference"),
@@ -59,6 +60,7 @@ OPERATORS: dict[str, tuple[str, ...]] = {
     "gather_dequant": ("gather_dequant",),
     "gather_values": ("gather_values",),
     "landmark_logits_int8": ("landmark_logits",),
+    "landmark_logits_native": ("landmark_logits",),
     "landmark_scores": ("landmark_scores",),
     "quantize_higgs": ("quantize_higgs",),
     "rebuild_missed": ("rebuild_missed",),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..core.landmarks import chunk_landmarks, quantize_landmarks
-from ..ops.landmark_logits import landmark_logits_int8
+from ..ops.landmark_logits import landmark_logits_int8, landmark_logits_native_op, native_kernel_fits
 from ..ops.landmark_scores import landmark_scores, softmax_group_max
 from .base import SelectionPolicy, grouped_query
 
@@ -81,11 +81,15 @@ class LandmarkTopK(SelectionPolicy):
             return landmark_logits_int8(grouped_query(query * scaling, codes.shape[1]), codes, scales)
         landmarks = _one_copy(state["landmarks"])
         q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
-        # A GEMM in the KV dtype (fp32 accumulation): the landmarks are the largest tensor a step reads, and
-        # converting them to fp32 first would triple those bytes. On an H200 this GEMM beat a fused CUDA kernel that
-        # streamed the landmarks once and did the softmax as well (1.0-1.1 ms against 0.60 ms per layer at batch
-        # 32, 128K, with the softmax), so only what follows the GEMM is a kernel.
-        return landmark_logits(q.to(landmarks.dtype), landmarks)
+        q = q.to(landmarks.dtype)
+        # Small batches: the tensor-core kernel, which reads the landmarks once with no padding of the query rows
+        # (ops/landmark_logits.py). Larger ones: a GEMM in the KV dtype (fp32 accumulation), since the landmarks are
+        # the largest tensor a step reads and converting them to fp32 first would triple those bytes. On an H200 this
+        # GEMM beat a fused CUDA kernel that streamed the landmarks once and did the softmax as well (1.0-1.1 ms
+        # against 0.60 ms per layer at batch 32, 128K, with the softmax), so only what follows the GEMM is a kernel.
+        if native_kernel_fits(q, landmarks):
+            return landmark_logits_native_op(q, landmarks).transpose(2, 3).unsqueeze(3)
+        return landmark_logits(q, landmarks)
 
 
 def _one_copy(t: torch.Tensor) -> torch.Tensor:
