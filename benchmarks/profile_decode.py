@@ -16,6 +16,9 @@ python -m benchmarks.profile_decode --context 131072 --batch 32 --value-format h
     --fetch-blocks-per-sm 1
 python -m benchmarks.profile_decode --context 131072 --batch 8 --value-format higgs4 --no-profile --generate
 
+`--compile-model-ops on,off` compares the model's norms, MLPs and RoPE compiled for the decode steps (the default,
+hf/fused_pieces.py) with the model's own kernels, in one run (a column `fused`).
+
 `--generate` also profiles steps of an unchanged `model.generate` on a fresh cache of the last configuration: per
 step its wall time, the host's time in PyTorch ops and CUDA runtime calls (waits for the device apart), the kernel
 launches, and the top host ops, to say what `generate` adds to a step (`throughput.py` times it against raw
@@ -50,11 +53,13 @@ from shadowkv_cache.testing import layer_sizes, pinned_blocks, synthetic_cache
 GRAPH_MODES = ("step", "layer", "none")
 
 
-def make_cache(model, args, batch: int, graphs: str, device: torch.device):
-    """A synthetic cache of `batch` rows at `args.context` tokens whose one-token steps run as `graphs` says."""
+def make_cache(model, args, batch: int, graphs: str, device: torch.device, fused: bool = True):
+    """A synthetic cache of `batch` rows at `args.context` tokens whose one-token steps run as `graphs` says, with the
+    model's pieces compiled (`fused`) or not."""
     config = ShadowKVConfig(
         min_compress_len=1024 if args.small else 4096,
         cuda_graphs=graphs != "none",
+        compile_model_ops=fused,
         value_format=args.value_format,
         **PAPER_SETTINGS,
     )
@@ -80,6 +85,9 @@ def main() -> None:
     p.add_argument("--small", action="store_true")
     p.add_argument("--graphs", default="step", help=f"comma-separated of {GRAPH_MODES}; the last one is profiled")
     p.add_argument("--no-graphs", action="store_true", help="the same as --graphs none")
+    p.add_argument("--compile-model-ops", default="on",
+                   help="comma-separated of on, off: the model's pieces compiled (ShadowKVConfig.compile_model_ops); "
+                        "the last one is profiled")  # fmt: skip
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--value-format", default="native")
@@ -101,24 +109,27 @@ def main() -> None:
     modes = ["none"] if args.no_graphs else args.graphs.split(",")
     if set(modes) - set(GRAPH_MODES):
         p.error(f"--graphs takes {GRAPH_MODES}, got {args.graphs}")
+    switches = args.compile_model_ops.split(",")
+    if set(switches) - {"on", "off"}:
+        p.error(f"--compile-model-ops takes on, off or both, got {args.compile_model_ops}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
     rows = []
     for batch in [int(b) for b in str(args.batch).split(",")]:
-        for graphs in modes:
+        for graphs, switch in [(g, f) for g in modes for f in switches]:
             cache = None  # the previous configuration's memory back first
             free(device)
-            cache = make_cache(model, args, batch, graphs, device)
+            cache = make_cache(model, args, batch, graphs, device, fused=switch == "on")
             step = decode(model, cache, batch, 4, args.steps, device)
             hit = cache.memory_report().hit_rate
             values = args.value_format if args.mode == "shadowkv" else "higgs4 k+v"
             landmarks = args.landmark_format if args.mode == "shadowkv" else None
             rows.append(dict(context=args.context, batch=batch, mode=args.mode, values=values, landmarks=landmarks,
-                             graphs=graphs,
+                             graphs=graphs, fused=switch,
                              h=None if hit is None else round(hit, 3), step_ms=round(step * 1e3, 2),
                              tok_s=round(batch / step, 1), replays=cache.step_graphs.replays))  # fmt: skip
             log(f"step {step * 1e3:.1f} ms ({batch / step:.0f} tok/s) at batch {batch}, context {args.context}, "
-                f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, values {values}, "
+                f"mode {args.mode}, h {rows[-1]['h']}, graphs {graphs}, fused {switch}, values {values}, "
                 f"landmarks {landmarks}")  # fmt: skip
     kernels, timeline = ([], None) if args.no_profile else profile(model, cache, batch, device)
     if timeline:
@@ -131,15 +142,18 @@ def main() -> None:
     if args.generate:
         cache = None
         free(device)
-        host = profile_generate(model, make_cache(model, args, batch, modes[-1], device), batch, args.context, device)
+        cache = make_cache(model, args, batch, modes[-1], device, fused=switches[-1] == "on")
+        host = profile_generate(model, cache, batch, args.context, device)
         log(f"generate: {host['wall_ms']:.2f} ms per step; host in ops and runtime calls {host['host_ms']:.2f} ms, "
             f"waiting for the device {host['wait_ms']:.2f} ms, {host['launches']:.0f} launches per step")  # fmt: skip
     if args.name:
         env = environment(str(device), "bfloat16" if device.type == "cuda" else "float32")
         title = f"Decode step by graph mode, {args.mode}, context {args.context} (synthetic cache, h={args.h})"
         plot = {"x": "batch", "y": "step_ms", "series": "graphs", "ylabel": "ms per step"}
-        columns = ["context", "batch", "mode", "values", "landmarks", "graphs", "h", "step_ms", "tok_s", "replays"]
-        notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, 3 steps) "
+        columns = ["context", "batch", "mode", "values", "landmarks", "graphs", "fused", "h", "step_ms", "tok_s",
+                   "replays"]  # fmt: skip
+        notes = (f"Top kernels by CUDA time of the last configuration (batch {batch}, graphs {modes[-1]}, fused "
+                 f"{switches[-1]}, 3 steps) "
                  "are in the JSON (`kernels`).") if kernels else ""  # fmt: skip
         t = timeline
         if t:

@@ -21,6 +21,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from shadowkv_cache import LandmarkTopK, ShadowKVCache
 from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids, teacher_forced_logits
+from shadowkv_cache.hf import fused_pieces
+from shadowkv_cache.hf.adapters import patch_model
 from shadowkv_cache.hf.sliding_layer import SlidingLayer
 
 pytestmark = [
@@ -197,6 +199,43 @@ def test_smollm2_bf16_whole_step_graph_matches_eager(smollm2_cuda):
         assert cache.step_graphs.replays >= 40
         assert torch.equal(graphed.sequences, eager.sequences)
         torch.testing.assert_close(torch.stack(graphed.logits), torch.stack(eager.logits), rtol=2e-2, atol=5e-2)
+    finally:
+        model.to(torch.float32)
+
+
+def test_fused_pieces_decode_as_the_models_own(cuda_model):
+    """`compile_model_ops` (the default) runs the model's norms, MLPs and RoPE compiled in the one-token steps, inside
+    the whole-step graph: the tokens and logits of the model's own pieces (fp32: within round-off)."""
+    ids = random_prompt(301, seed=21).cuda()
+    runs = {}
+    for fused in (False, True):
+        cache = ShadowKVCache(cuda_model, compile_model_ops=fused, **small_budget_overrides())
+        runs[fused] = (generate_with(cuda_model, ids, cache, max_new_tokens=24), cache)
+    (plain, _), (fused, cache) = runs[False], runs[True]
+    assert cache.step_graphs.replays >= 20
+    for module in (cuda_model.model.norm, cuda_model.model.layers[0].mlp):
+        piece = fused_pieces._COMPILED[type(module).forward]
+        assert not piece.failed and piece._compiled is not None
+    assert all("forward" not in vars(m) for m in patch_model(cuda_model).pieces.modules(cuda_model))
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert_logits_close(fused.logits, plain.logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_fused_pieces_match_the_models_own(smollm2_cuda):
+    """SmolLM2 in bf16 on a 4K natural-text prompt: the compiled pieces round where eager rounds, so the steps give the
+    tokens of the model's own kernels."""
+    model, tokenizer = smollm2_cuda
+    model = model.to(torch.bfloat16)
+    try:
+        ids = natural_text_ids(tokenizer, 4096).cuda()
+        runs = {}
+        for fused in (False, True):
+            cache = ShadowKVCache(model, compile_model_ops=fused)
+            runs[fused] = generate_with(model, ids, cache, max_new_tokens=32)
+        assert torch.equal(runs[True].sequences, runs[False].sequences)
+        torch.testing.assert_close(torch.stack(runs[True].logits), torch.stack(runs[False].logits), rtol=2e-2,
+                                   atol=5e-2)  # fmt: skip
     finally:
         model.to(torch.float32)
 

@@ -49,8 +49,9 @@ from .architectures import (
     sliding_windows,
 )
 from .attention import register_attention
+from .fused_pieces import FusedPieces
 from .rope import ModelRope, rotary_on
-from .step_context import ATTENTION_NAME, current_step
+from .step_context import ATTENTION_NAME, current_step, rotary_in_use
 from .wrappers import WRAPPED_NAMES, AttentionForward, Generate, InstanceWrapper, ModelForward, PrepareInputs
 
 # The architecture table and its per-model rules live in hf/architectures.py; re-exported for older imports.
@@ -86,6 +87,11 @@ class ModelAdapter:
         # A rotary module with per-layer-type tables (Gemma 3: θ 1e6 global, 1e4 local) is asked for the global one.
         layer_type = "full_attention" if getattr(self.rotary_emb, "layer_types", None) else None
         return ModelRope(self.rotary_emb, self.apply_rotary, layer_type)
+
+    @functools.cached_property
+    def pieces(self) -> FusedPieces:
+        """The model's norms, dense MLPs and RoPE as compiled for one-token decode steps (hf/fused_pieces.py)."""
+        return FusedPieces(self.modeling_module, self.apply_rotary)
 
     def layer_rope(self, layer_idx: int) -> ModelRope:
         """The RoPE of one compressed layer: the model's, or the identity where the layer applies none."""
@@ -206,7 +212,8 @@ def _recording_rotary(original: Callable) -> Callable:
         step = current_step()
         if step is not None:
             step.pre_rope_keys = k
-        return original(q, k, cos, sin, *args, **kwargs)
+        # The modeling module's own function, or its compiled version inside a whole-step capture (fused_pieces.py).
+        return rotary_in_use(original)(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__shadowkv_original__ = original
     return apply_rotary_pos_emb

@@ -130,7 +130,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._model = weakref.ref(model)  # for the model's identity when a prefix is saved
         self._state = CacheState(model, adapter.attention)  # bound to this model, one thread at a time, roll-back
         # The patched forward runs the model's calls through it: a one-token step replays as one CUDA graph.
-        self.step_graphs = StepGraphs(self._graphs, self._state)
+        self.step_graphs = StepGraphs(self._graphs, self._state, adapter.pieces if config.compile_model_ops else None)
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
         self._prefix_checked = False
         self._prefilled: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, P] ids and mask of prefill_batch
@@ -308,7 +308,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         forked = copy.copy(self)
         forked._state = state
         forked._graphs = GraphSwitch(self._graphs.enabled)
-        forked.step_graphs = StepGraphs(forked._graphs, state)
+        forked.step_graphs = StepGraphs(forked._graphs, state, self.step_graphs.pieces)
         forked.layers = [layer.fork(batch_size, forked._graphs) for layer in self.layers]
         forked._prefix_checked, forked._prefilled = False, None
         return forked

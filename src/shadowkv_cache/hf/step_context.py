@@ -12,7 +12,7 @@ the patched modeling module.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION_NAME", "StepContext", "attention_step", "current_step"]
+__all__ = ["ATTENTION_NAME", "StepContext", "attention_step", "current_step", "rotary_in_use", "rotary_replaced"]
 
 # The name the attention function and its mask are registered under (free of "sdpa", "flash_attention",
 # "flex_attention" and "/", which Transformers treats specially).
@@ -59,3 +59,20 @@ def attention_step(module: nn.Module, kwargs: dict) -> Iterator[StepContext]:
         yield step
     finally:
         _local.step = previous
+
+
+def rotary_in_use(original: Callable) -> Callable:
+    """What the rotary wrapper calls for the modeling function `original` on this thread: `original`, or what
+    `rotary_replaced` put in its place (its compiled version, while a whole-step graph is captured)."""
+    return getattr(_local, "rotary", {}).get(original, original)
+
+
+@contextmanager
+def rotary_replaced(original: Callable, replacement: Callable) -> Iterator[None]:
+    """Call `replacement` for the modeling function `original` on this thread until the block ends."""
+    saved = getattr(_local, "rotary", {})
+    _local.rotary = {**saved, original: replacement}
+    try:
+        yield
+    finally:
+        _local.rotary = saved

@@ -32,12 +32,14 @@ import functools
 import gc
 import inspect
 from collections.abc import Callable, Hashable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from ..notices import logger
 from .decode_graph import GraphSwitch, capture_stream, collector_paused
+from .fused_pieces import FusedPieces
 from .state import CacheState
 
 __all__ = ["StepGraph", "StepGraphs", "capturable_model"]
@@ -112,10 +114,11 @@ class StepGraphs:
     Args:
         graphs (`GraphSwitch`): the cache's switch, shared with its layers.
         state (`CacheState`): the cache's state, which puts its layers back after a failed capture.
+        pieces (`FusedPieces`, *optional*): the model's pieces compiled for one-token steps (`fused`); None for none.
     """
 
-    def __init__(self, graphs: GraphSwitch, state: CacheState):
-        self.graphs, self.state = graphs, state
+    def __init__(self, graphs: GraphSwitch, state: CacheState, pieces: FusedPieces | None = None):
+        self.graphs, self.state, self.pieces = graphs, state, pieces
         self.graph: StepGraph | None = None
         self._last_key: Hashable | None = None  # the key of the last eager eligible step
         self.replays = 0  # steps replayed since this cache was made (benchmarks and tests read it)
@@ -128,20 +131,41 @@ class StepGraphs:
         """`forward(*args, **kwargs)` on `cache`, through the whole-step graph where the call allows it."""
         inputs = _step_inputs(cache, model, forward, args, kwargs) if self.enabled else None
         key = None if inputs is None else _step_key(cache, inputs)
-        if key is None:  # layers may capture their own steps here, so the next capture follows an eager step again
-            if inputs is not None:  # a one-token step the layers cannot serve now (buffer full, state dropped)
-                self.graph = None
-            self._last_key = None
-            self.graphs.set_per_layer(True)
-            return forward(*args, **kwargs)
-        if self.graph is not None and self.graph.key == key:
+        if key is not None and self.graph is not None and self.graph.key == key:
             return self._replay(cache, inputs)
-        self.graph = None
-        self.graphs.set_per_layer(False)  # per-layer captures would be replaced at the next step
-        if key != self._last_key:  # a new key: run eagerly once
-            self._last_key = key
-            return forward(*args, **kwargs)
-        return self._capture(cache, forward, inputs, key, lambda: forward(*args, **kwargs))
+        with self.fused(cache, model, args, kwargs):
+            if key is None:  # layers may capture their own steps here, so the next capture follows an eager step again
+                if inputs is not None:  # a one-token step the layers cannot serve now (buffer full, state dropped)
+                    self.graph = None
+                self._last_key = None
+                self.graphs.set_per_layer(True)
+                return forward(*args, **kwargs)
+            self.graph = None
+            self.graphs.set_per_layer(False)  # per-layer captures would be replaced at the next step
+            if key != self._last_key:  # a new key: run eagerly once (it compiles the fused pieces, if any)
+                self._last_key = key
+                return forward(*args, **kwargs)
+            return self._capture(cache, forward, inputs, key, lambda: forward(*args, **kwargs))
+
+    def fused(self, cache: Any, model: Any, args: tuple, kwargs: dict) -> AbstractContextManager:
+        """The context a forward call runs in: the model's pieces compiled (fused_pieces.py) for a one-token decode
+        step after a compressed prompt on one GPU, with autograd off; nothing otherwise (prefill, multi-token steps,
+        the CPU, a model placed on several devices or whose forward waits for the host)."""
+        ids = kwargs.get("input_ids")
+        if (
+            self.pieces is None
+            or args
+            or not isinstance(ids, torch.Tensor)
+            or not ids.is_cuda
+            or ids.dim() != 2
+            or ids.shape[1] != 1
+            or torch.is_grad_enabled()
+            or getattr(model, "training", False)
+            or not any(getattr(layer, "is_compressed", False) for layer in cache.layers)
+            or not _on_one_device(model)
+        ):
+            return nullcontext()
+        return self.pieces.active(model)
 
     def _replay(self, cache: Any, inputs: dict[str, Any]) -> Any:
         output = self.graph(inputs)
@@ -179,10 +203,7 @@ def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs:
     when the call is not a one-token decode step that a graph can serve."""
     if args or torch.is_grad_enabled() or getattr(model, "training", False):
         return None
-    # accelerate's hooks move weights or activations between devices inside the forward (a split or offloaded model,
-    # design.md §11): such a step stays eager around each layer's own graph.
-    placed = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(placed) > 1 or placed & {"cpu", "disk", "meta"} or not capturable_model(model):
+    if not _on_one_device(model):
         return None
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
@@ -208,6 +229,14 @@ def _step_inputs(cache: Any, model: Any, forward: Callable, args: tuple, kwargs:
     if "cache_position" not in inputs and "cache_position" in _parameters(forward):
         inputs["cache_position"] = torch.full((1,), length, dtype=torch.int64, device=ids.device)
     return inputs
+
+
+def _on_one_device(model: Any) -> bool:
+    """Whether `model` runs on one device and its forward never waits for the host: accelerate's hooks move weights
+    or activations between devices inside the forward (a split or offloaded model, design.md §11), and some models
+    read tensors on the host at every step (`capturable_model`)."""
+    placed = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    return len(placed) <= 1 and not placed & {"cpu", "disk", "meta"} and capturable_model(model)
 
 
 # Config fields that count a mixture-of-experts layer's experts, and RoPE types whose tables depend on the positions.

@@ -41,6 +41,7 @@ from .identity import kv_dtype_and_devices, model_dims, model_identity, token_id
 from .layout import check_specs, expected_tensors, layer_kinds, layer_tensors
 
 __all__ = [
+    "ADDED_DECODE_TIME_FIELDS",
     "DECODE_TIME_FIELDS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -64,7 +65,10 @@ OLDER_VERSIONS = {
 }
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
-DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs")
+DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs", "compile_model_ops")
+# Decode-time fields added after files of this version were first written: a file without one was made with its
+# default.
+ADDED_DECODE_TIME_FIELDS = ("compile_model_ops",)
 
 
 # A writer's temporary file: `.<target name>.<pid>.<16 hex>.shadowkv-tmp` beside the target (see `_remove_stale`).

@@ -26,6 +26,7 @@ from ..yakv.prompt import QuantizedPrompt
 from . import integrity
 from .errors import PrefixCacheError, PrefixOptionError
 from .format import (
+    ADDED_DECODE_TIME_FIELDS,
     DECODE_TIME_FIELDS,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -154,6 +155,8 @@ def _check_config(
 ) -> tuple[ShadowKVConfig, ShadowKVConfig]:
     """(the config the file was made with, the config asked for), after checking they shaped the same state."""
     fields = _field(meta, "shadowkv_config", dict, path)
+    defaults = ShadowKVConfig()
+    fields = {**{name: getattr(defaults, name) for name in ADDED_DECODE_TIME_FIELDS}, **fields}
     if sorted(fields) != sorted(ShadowKVConfig.field_names()):
         raise PrefixCacheError(f"{path}: the ShadowKV config in the metadata has fields {sorted(fields)} (damaged?).")
     try:
