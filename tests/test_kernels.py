@@ -808,8 +808,8 @@ def test_landmark_logits_native_kernel_reads_stride_0_rows_and_replays_in_a_cuda
 
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_native_landmark_scores_through_the_kernel_are_cublas_scores(batch):
-    """`LandmarkTopK` takes the kernel up to `NATIVE_KERNEL_MAX_ROWS` rows and cuBLAS above: the masked scores of
-    either path agree within the logits' bf16 rounding."""
+    """`LandmarkTopK` takes the kernel up to `NATIVE_KERNEL_MAX_ROWS` rows (any, by default) and cuBLAS above: the
+    masked scores of either path agree within the logits' bf16 rounding."""
     module = landmark_logits_module
     query = torch.randn(batch, 32, 1, 128, device=CUDA, dtype=torch.bfloat16)
     landmarks = torch.randn(batch, 8, 4000, 128, device=CUDA, dtype=torch.bfloat16) * 0.3
@@ -1010,3 +1010,29 @@ def test_attend_parts_kernel_in_a_cuda_graph():
         query.normal_()
         graph.replay()
         assert torch.equal(out, attend_parts(query, parts, 0.1))
+
+
+def test_higgs4_values_encode_on_cuda_as_the_quantiser_defines():
+    """ShadowKV's higgs4 value store encodes through the fused quantiser kernel on CUDA: the quantiser's codes and
+    norms, a code differing only at a tie of two grid points to round-off."""
+    from shadowkv_cache.stores.value_store import HostValueStore
+
+    values = torch.randn(2, 3, 40, 8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    cpu = HostValueStore.offload(values, pin=False, value_format="higgs4")
+    gpu = HostValueStore.offload(values.to(CUDA), pin=True, value_format="higgs4")
+    assert gpu.data.is_pinned() and gpu.data.shape == cpu.data.shape
+    assert (gpu.data != cpu.data).float().mean() < 1e-3
+    torch.testing.assert_close(gpu.scales.float(), cpu.scales.float(), rtol=1e-3, atol=0)
+
+
+def test_key_spectrum_of_16_bit_keys_on_cuda_is_the_fp32_spectrum():
+    """The Gram product of bf16 keys on tensor cores (fp32 sums and result) gives the fp32 product's spectrum."""
+    from shadowkv_cache.core.low_rank import key_spectrum
+
+    keys = (torch.randn(4096, 256) @ torch.randn(256, 256) * 0.1).to(torch.bfloat16)
+    want_vals, want_vecs = key_spectrum(keys)
+    got_vals, got_vecs = key_spectrum(keys.to(CUDA))
+    torch.testing.assert_close(got_vals.cpu(), want_vals, rtol=1e-4, atol=1e-3 * float(want_vals[0]) * 1e-3)
+    top = 32  # well separated: the same directions up to sign
+    agreement = (got_vecs[:, :top].cpu() * want_vecs[:, :top]).sum(0).abs()
+    assert bool((agreement > 0.999).all())

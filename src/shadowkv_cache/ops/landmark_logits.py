@@ -16,8 +16,8 @@ query heads per KV head, head dims other than 64, 128 and 256, fp32 models) int8
 (`landmark_logits_native`, defined by `landmark_logits_native_reference`). cuBLAS reads them near HBM bandwidth at
 large batches, but a one-token step's GEMM at small batches needs its query rows padded to 8 (a fill and a copy) and
 came with a memset node after which the device idled ~14 us at every layer (an H200 machine, batch 1, 128K): ~35 us a
-layer for ~8 us of reads. `LandmarkTopK` takes this kernel up to `NATIVE_KERNEL_MAX_ROWS` (batch x KV heads) and
-cuBLAS above.
+layer for ~8 us of reads. The kernel was as fast or faster at every batch measured, so `LandmarkTopK` takes it
+wherever it fits (`NATIVE_KERNEL_MAX_ROWS` can keep cuBLAS above a batch size).
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ _THREADS, _LOADS = 128, 16  # LL_THREADS and LL_LOADS in the kernel
 # 118 registers per thread fit an SM at D = 128) while each block converts its queries once for many landmarks.
 # Not swept yet: `benchmarks/profile_decode.py --landmark-blocks-per-sm N` compares others.
 BLOCKS_PER_SM = 4
-# (batch x KV heads) up to which 16-bit landmarks take the kernel rather than cuBLAS (`native_kernel_fits`).
-NATIVE_KERNEL_MAX_ROWS = 8 * 8
+# (batch x KV heads) up to which 16-bit landmarks take the kernel rather than cuBLAS (`native_kernel_fits`); None: at
+# every batch. One layer at 128K on an H100 machine (`selection_kernels_cuda_128k_logits`, Hkv = 8, G = 4): 10.3
+# against 15.4 us at batch 1, 29.7 against 34.9 at 2, 105 against 110 at 8, 550 against 552 at 44.
+NATIVE_KERNEL_MAX_ROWS: int | None = None
 
 
 def landmark_logits_int8_reference(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -189,11 +191,13 @@ def _blocks(q: torch.Tensor, chunks: int, element_bytes: int) -> int:
     return max(1, min(math.ceil(chunks / per_block), wanted))
 
 
-def native_kernel_fits(q: torch.Tensor, landmarks: torch.Tensor, max_rows: int | None = NATIVE_KERNEL_MAX_ROWS) -> bool:
+def native_kernel_fits(q: torch.Tensor, landmarks: torch.Tensor, max_rows: int | None | str = "default") -> bool:
     """Whether the kernel serves `landmark_logits_native(q, landmarks)`: a one-token step on a CUDA device with kernels
     (sm_80+), bf16 or fp16 queries and landmarks of one dtype, head dim 64, 128 or 256, at most 8 query heads per KV
-    head, landmark rows 16-byte aligned and contiguous in D, grid dimensions the device takes, and (unless
-    `max_rows` is None) at most `max_rows` (batch x KV heads), above which cuBLAS's GEMM is faster."""
+    head, landmark rows 16-byte aligned and contiguous in D, grid dimensions the device takes, and at most `max_rows`
+    (batch x KV heads; `"default"`: `NATIVE_KERNEL_MAX_ROWS` as it is now; None: any)."""
+    if max_rows == "default":
+        max_rows = NATIVE_KERNEL_MAX_ROWS
     if q.dim() != 5 or landmarks.dim() != 4 or not kernels_available(q.device):
         return False
     batch, heads, group, steps, dim = q.shape

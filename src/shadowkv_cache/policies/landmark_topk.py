@@ -82,11 +82,11 @@ class LandmarkTopK(SelectionPolicy):
         landmarks = _one_copy(state["landmarks"])
         q = grouped_query(query * scaling, landmarks.shape[1])  # [B, Hkv, G, T, D]
         q = q.to(landmarks.dtype)
-        # Small batches: the tensor-core kernel, which reads the landmarks once with no padding of the query rows
-        # (ops/landmark_logits.py). Larger ones: a GEMM in the KV dtype (fp32 accumulation), since the landmarks are
-        # the largest tensor a step reads and converting them to fp32 first would triple those bytes. On an H200 this
+        # One-token steps: the tensor-core kernel, which reads the landmarks once with no padding of the query rows
+        # (ops/landmark_logits.py). Otherwise a GEMM in the KV dtype (fp32 accumulation), since the landmarks are the
+        # largest tensor a step reads and converting them to fp32 first would triple those bytes. On an H200 that
         # GEMM beat a fused CUDA kernel that streamed the landmarks once and did the softmax as well (1.0-1.1 ms
-        # against 0.60 ms per layer at batch 32, 128K, with the softmax), so only what follows the GEMM is a kernel.
+        # against 0.60 ms per layer at batch 32, 128K, with the softmax), so only what follows the logits is a kernel.
         if native_kernel_fits(q, landmarks):
             return landmark_logits_native_op(q, landmarks).transpose(2, 3).unsqueeze(3)
         return landmark_logits(q, landmarks)
