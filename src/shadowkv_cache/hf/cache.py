@@ -263,11 +263,11 @@ class ShadowKVCache(CheckedUpdates, Cache):
         """A new one-row cache holding the document saved at `path`, for `model` (the one that saved it).
 
         The file's model identity, config (`mode` included), version and every tensor's shape and dtype are checked
-        before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only `sparse_budget`,
-        `dense_multi_token_steps`, `pin_memory` and `cuda_graphs` may differ from the saved config. ShadowKV's temporal
-        cache starts empty; sliding-window layers start from the saved window. `verify=False` skips the tensor digests
-        and finiteness checks (1.5 s per GiB on one CPU core) for a file you trust; `key` is the key a signed file was
-        saved with (`save_prefix(..., key=...)`); `policy` defaults to the mode's own.
+        before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only the decode-time
+        settings (`sparse_budget`, `dense_multi_token_steps`, `pin_memory`, `cuda_graphs`, `compile_model_ops`) may
+        differ from the saved config. ShadowKV's temporal cache starts empty; sliding-window layers start from the
+        saved window. `verify=False` skips the tensor digests and finiteness checks (1.5 s per GiB on one CPU core) for
+        a file you trust; `key` is the key a signed file was saved with; `policy` defaults to the mode's own.
         """
         windows = sliding_windows(model.config.get_text_config())  # unknown layer types raise here
         check_placement(model)  # before the file is read, as ShadowKVCache(model) would refuse it after

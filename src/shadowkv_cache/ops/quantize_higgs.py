@@ -1,4 +1,5 @@
-"""HIGGS quantisation of head vectors, fused on CUDA (YAKV prefill: host records and the device scoring copy).
+"""HIGGS quantisation of head vectors, fused on CUDA (YAKV prefill: host records and the device scoring copy; ShadowKV's
+higgs4 host values).
 
 Legend: N vectors, D head dim, p grid dim, M = D/p sub-vectors, "..." leading dims.
 

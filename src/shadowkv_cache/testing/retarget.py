@@ -49,7 +49,7 @@ def continue_with_policy(
         sparse_budget (`int`): tokens selected per KV head.
         policy_state (*optional*): maps the state `base`'s policy prepared to the state `policy` reads.
         **config_changes: settings that do not shape the compressed prompt (`dense_multi_token_steps`,
-            `cuda_graphs`).
+            `cuda_graphs`, `compile_model_ops`).
     """
     config = dataclasses.replace(base.config, sparse_budget=sparse_budget, **config_changes)
     cache = ShadowKVCache(model, config=config, policy=policy)
