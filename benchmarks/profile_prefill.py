@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 from transformers import DynamicCache
 
 from benchmarks.results_io import add_results_dir_option, environment, write_results
-from benchmarks.speed import PAPER_SETTINGS, build_model, free, log, sync
+from benchmarks.speed import PAPER_SETTINGS, build_model, free, log, prefill_seconds
 from benchmarks.timeline import kernel_intervals, timeline_summary
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, release_pinned
@@ -32,12 +31,7 @@ def prefill(model, ids: torch.Tensor, method: str, config: ShadowKVConfig, devic
     """Seconds of one prefill of `ids` into a fresh cache of `method` (the cache is dropped after)."""
     cache = DynamicCache(config=model.config) if method == "dynamic" else ShadowKVCache(model, config=config)
     free(device)
-    sync(device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    sync(device)
-    return time.perf_counter() - t
+    return prefill_seconds(model, cache, ids, device)
 
 
 def profiled(model, ids, method: str, config: ShadowKVConfig, device: torch.device) -> tuple[dict, dict | None]:

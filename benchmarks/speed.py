@@ -204,6 +204,16 @@ def decode(model, cache, batch: int, warm: int, steps: int, device: torch.device
     return (time.perf_counter() - t) / steps
 
 
+def prefill_seconds(model, cache, ids: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one prefill of `ids` into `cache`, from an idle device to an idle device."""
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+    return time.perf_counter() - t
+
+
 def generate_times(model, cache, batch: int, length: int, new_tokens: int, device: torch.device, on_put=None):
     """Host times at which `generate`'s outputs come out (index 0: the prompt, then one per step) over `new_tokens`
     greedy steps of an unchanged `model.generate` on `cache`, which holds `length` tokens per row (random ids,

@@ -16,7 +16,17 @@ from transformers import DynamicCache
 
 from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_bound, yakv_bound
 from benchmarks.fills import fill_dynamic, fill_static
-from benchmarks.speed import GiB, decode, free, generate_times, hit_rate, log, peaks, reset_peak, sync
+from benchmarks.speed import (
+    GiB,
+    decode,
+    free,
+    generate_times,
+    hit_rate,
+    log,
+    peaks,
+    prefill_seconds,
+    reset_peak,
+)
 from benchmarks.throughput_report import Recorder, variant_label
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, pinned_bytes, release_pinned, synthetic_cache
@@ -77,12 +87,7 @@ def prefill_runs(run: Run) -> None:
                 cache = ShadowKVCache(model, config=mode_config(config, method))
             free(device)
             reset_peak(device)
-            sync(device)
-            t = time.perf_counter()
-            with torch.no_grad():
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            sync(device)
-            times[method] = time.perf_counter() - t
+            times[method] = prefill_seconds(model, cache, ids, device)
             log(f"prefill {length} {method}: {times[method]:.2f} s")
             row = dict(context=length, method=method, fill="real prefill", batch=1, prefill_s=times[method])
             if method != "dynamic":
