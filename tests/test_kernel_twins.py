@@ -541,6 +541,41 @@ def test_attend_parts_kernel_declines_what_it_cannot_serve(monkeypatch):
     assert not op._kernel_fits(*case(group=9), NO_TERMS)
 
 
+def test_landmark_logits_kernels_serve_what_they_can_read(monkeypatch):
+    """Both landmark-logit kernels take one-token steps of 16-bit queries whose landmarks (int8 codes with one fp32
+    scale each, or 16-bit landmarks of the query's dtype) lie in 16-byte rows; anything else runs the twin, and the
+    16-bit kernel serves at most `NATIVE_KERNEL_MAX_ROWS` rows when that is set."""
+    from shadowkv_cache.ops import landmark_logits as op
+
+    monkeypatch.setattr(op, "kernels_available", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # CPU tensors stand in
+
+    def query(batch=2, heads=8, group=4, tokens=1, dim=128, dtype=torch.bfloat16):
+        return torch.zeros(batch, heads, group, tokens, dim, dtype=dtype)
+
+    landmarks = torch.zeros(2, 8, 100, 128, dtype=torch.bfloat16)
+    assert op.native_kernel_fits(query(), landmarks)
+    assert op.native_kernel_fits(query(), landmarks[:1])  # one shared document
+    assert not op.native_kernel_fits(query(), landmarks.half())  # another dtype than the query's
+    assert not op.native_kernel_fits(query(tokens=2), landmarks)
+    assert not op.native_kernel_fits(query(group=9), landmarks)
+    assert not op.native_kernel_fits(query(dim=96), landmarks[..., :96])
+    assert not op.native_kernel_fits(query(dtype=torch.float32), landmarks.float())
+    assert not op.native_kernel_fits(query(), landmarks[:, :, :0])  # no landmark
+    unaligned = torch.zeros(2, 8, 100, 132, dtype=torch.bfloat16)[..., :128]  # rows 264 bytes apart
+    assert not op.native_kernel_fits(query(), unaligned)
+    monkeypatch.setattr(op, "NATIVE_KERNEL_MAX_ROWS", 8)
+    assert op.native_kernel_fits(query(batch=1), landmarks[:1]) and not op.native_kernel_fits(query(), landmarks)
+    assert op.native_kernel_fits(query(), landmarks, max_rows=None)
+
+    codes, scales = torch.zeros(2, 8, 100, 128, dtype=torch.int8), torch.zeros(2, 8, 100)
+    assert op._kernel_fits(query(), codes, scales)
+    assert not op._kernel_fits(query(), codes, scales[:, :, :99])
+    assert not op._kernel_fits(query(), codes, scales.double())
+    assert not op._kernel_fits(query(), codes.to(torch.uint8), scales)
+    assert not op._kernel_fits(query(), torch.zeros(2, 8, 100, 136, dtype=torch.int8)[..., :128], scales)
+
+
 def test_landmark_scores_kernel_serves_every_one_token_step_it_can_read(monkeypatch):
     """The scores kernel splits each (row, KV head) over blocks, so it serves batch 1 as well as large batches; several
     query tokens, more than 16 query heads per KV head, a strided mask and no chunks run the twin."""

@@ -192,51 +192,42 @@ def _blocks(q: torch.Tensor, chunks: int, element_bytes: int) -> int:
 
 
 def native_kernel_fits(q: torch.Tensor, landmarks: torch.Tensor, max_rows: int | None | str = "default") -> bool:
-    """Whether the kernel serves `landmark_logits_native(q, landmarks)`: a one-token step on a CUDA device with kernels
-    (sm_80+), bf16 or fp16 queries and landmarks of one dtype, head dim 64, 128 or 256, at most 8 query heads per KV
-    head, landmark rows 16-byte aligned and contiguous in D, grid dimensions the device takes, and at most `max_rows`
-    (batch x KV heads; `"default"`: `NATIVE_KERNEL_MAX_ROWS` as it is now; None: any)."""
+    """Whether the kernel serves `landmark_logits_native(q, landmarks)`: `_kernel_reads` them, the landmarks in the
+    query's dtype, and at most `max_rows` (batch x KV heads; `"default"`: `NATIVE_KERNEL_MAX_ROWS` as it is now;
+    None: any)."""
     if max_rows == "default":
         max_rows = NATIVE_KERNEL_MAX_ROWS
+    if not _kernel_reads(q, landmarks) or landmarks.dtype != q.dtype:
+        return False
+    return max_rows is None or q.shape[0] * q.shape[1] <= max_rows
+
+
+def _kernel_fits(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the kernel serves `landmark_logits_int8(q, codes, scales)`: `_kernel_reads` the query and the int8
+    codes, and the fp32 scales are contiguous in C, one per landmark."""
+    if not _kernel_reads(q, codes) or codes.dtype != torch.int8 or scales.dim() != 3:
+        return False
+    if scales.dtype != torch.float32 or scales.device != q.device or scales.stride(2) != 1:
+        return False
+    return tuple(scales.shape) == tuple(codes.shape[:3])
+
+
+def _kernel_reads(q: torch.Tensor, landmarks: torch.Tensor) -> bool:
+    """What both kernels need: a one-token step on a CUDA device with kernels (sm_80+ tensor cores), a bf16/fp16 query
+    `[B, Hkv, G, 1, D]` contiguous in D, head dim 64, 128 or 256, at most 8 query heads per KV head, landmarks
+    `[B or 1, Hkv, C, D]` (C > 0) on its device whose rows are 16-byte aligned and contiguous in D, and grid dimensions
+    the device takes."""
     if q.dim() != 5 or landmarks.dim() != 4 or not kernels_available(q.device):
         return False
     batch, heads, group, steps, dim = q.shape
-    if max_rows is not None and batch * heads > max_rows:
-        return False
     if steps != 1 or q.dtype not in _KERNEL_DTYPES or dim not in _HEAD_DIMS or not 0 < group <= _MAX_GROUP:
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 8 or q.stride(4) != 1:
         return False
-    if landmarks.dtype != q.dtype or landmarks.device != q.device or landmarks.stride(3) != 1:
+    if landmarks.device != q.device or landmarks.stride(3) != 1 or landmarks.shape[3] != dim:
         return False
-    if tuple(landmarks.shape[1:]) != (heads, landmarks.shape[2], dim) or landmarks.shape[0] not in (1, batch):
-        return False
-    if landmarks.data_ptr() % 16:
+    if landmarks.shape[0] not in (1, batch) or landmarks.shape[1] != heads or landmarks.data_ptr() % 16:
         return False
     if any(s * landmarks.element_size() % 16 for s, n in zip(landmarks.stride()[:3], landmarks.shape[:3]) if n > 1):
         return False
     return landmarks.shape[2] > 0 and 0 < batch <= 65535 and heads <= 65535
-
-
-def _kernel_fits(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
-    """A one-token step on a CUDA device with kernels (sm_80+ tensor cores), a bf16/fp16 query, head dim 64, 128 or
-    256, at most 8 query heads per KV head, rows of codes 16-byte aligned and contiguous in D, scales contiguous in
-    C, and grid dimensions the device takes."""
-    if q.dim() != 5 or codes.dim() != 4 or scales.dim() != 3 or not kernels_available(q.device):
-        return False
-    batch, heads, group, steps, dim = q.shape
-    if steps != 1 or q.dtype not in _KERNEL_DTYPES or dim not in _HEAD_DIMS or not 0 < group <= _MAX_GROUP:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] < 8 or q.stride(4) != 1:
-        return False
-    if codes.dtype != torch.int8 or codes.device != q.device or codes.stride(3) != 1 or codes.shape[3] != dim:
-        return False
-    if codes.shape[0] not in (1, batch) or codes.shape[1] != heads or codes.data_ptr() % 16:
-        return False
-    if any(s % 16 for s, n in zip(codes.stride()[:3], codes.shape[:3]) if n > 1):
-        return False
-    if scales.dtype != torch.float32 or scales.device != q.device or scales.stride(2) != 1:
-        return False
-    if tuple(scales.shape) != (codes.shape[0], heads, codes.shape[2]):
-        return False
-    return codes.shape[2] > 0 and 0 < batch <= 65535 and heads <= 65535
