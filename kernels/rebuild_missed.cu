@@ -24,9 +24,9 @@ __host__ __device__ constexpr int rebuild_shared_bytes(int D, int R, int spb) {
            2 * REBUILD_WARPS * 16 * ((((R + 15) / 16) * 16 > D ? ((R + 15) / 16) * 16 : D) + REBUILD_PAD) + 4 * spb;
 }
 
-/// \brief Grid (B*Hkv, splits): block (bh, s) rebuilds the missed slots among slots [s*spb, (s+1)*spb) of (row, head)
-///        bh. Its rows of A are the missed slots' tokens in slot order, `c` per slot; each warp takes 16 of them at a
-///        time (one m16n8k16 row tile) against all D columns.
+/// \brief The missed slots among slots [s*spb, (s+1)*spb) of (row, head) bh, by one block (s = blockIdx.y). Its rows
+///        of A are the missed slots' tokens in slot order, `c` per slot; each warp takes 16 of them at a time (one
+///        m16n8k16 row tile) against all D columns.
 ///
 /// Every global read is issued before its first use (B and each tile of A are copied to shared memory by all lanes
 /// at once, 16 bytes a load where aligned; each tile's chunk ids and positions by one lane per row): a block has only
@@ -41,9 +41,8 @@ __host__ __device__ constexpr int rebuild_shared_bytes(int D, int R, int spb) {
 /// \param spb       slots per block (the grid's y dimension covers K)
 /// \param vec       bit 0: rows of A, bit 1: rows of B, bit 2: rows of keys start 16-byte aligned and hold whole
 ///                  16-byte groups
-/// Launch: grid (B*Hkv, ceil(K / spb)), block REBUILD_THREADS, dynamic shared memory rebuild_shared_bytes(D, R, spb).
 template <typename T, int D>
-__device__ __forceinline__ void rebuild_missed_impl(T* keys, const T* a, long long a_row, long long a_tok,
+__device__ __forceinline__ void rebuild_missed_head(int bh, T* keys, const T* a, long long a_row, long long a_tok,
                                                     const T* bmat, long long b_row, long long b_rank, long long b_head,
                                                     const long long* ids, const bool* miss, const long long* positions,
                                                     long long pos_row_stride, const float* inv_freq,
@@ -58,7 +57,7 @@ __device__ __forceinline__ void rebuild_missed_impl(T* keys, const T* a, long lo
     __shared__ int warp_counts[REBUILD_WARPS];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int bh = blockIdx.x, head = bh % Hkv;
+    const int head = bh % Hkv;
     const long long row = bh / Hkv, slot0 = (long long)bh * K;
     const int s_begin = blockIdx.y * spb, s_end = min(K, s_begin + spb);
 
@@ -205,15 +204,24 @@ __device__ __forceinline__ void rebuild_missed_impl(T* keys, const T* a, long lo
     }
 }
 
+/// \brief Grid (min(B*Hkv, cap), splits): block (x, s) rebuilds the slot range s of (row, head)s x, x + gridDim.x, ...
+///        (`rebuild_missed_head`). The grid is capped at the blocks that are resident at once: a longer grid kept
+///        its last blocks queued, and the value fetch launched beside it on another stream waited behind them (~110
+///        µs a layer at batch 44, 128K, on an H200 machine) before its first block could start.
+/// Launch: grid (min(BH, cap), ceil(K / spb)), block REBUILD_THREADS, dynamic shared memory rebuild_shared_bytes(D, R,
+///         spb); BH = B*Hkv.
 #define REBUILD_MISSED(T, SUFFIX, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(REBUILD_THREADS) rebuild_missed_##SUFFIX##_d##D(               \
         T* keys, const T* a, long long a_row, long long a_tok, const T* bmat, long long b_row, long long b_rank, \
         long long b_head, const long long* ids, const bool* miss, const long long* positions,                   \
         long long pos_row_stride, const float* inv_freq, float attention_scaling, int rotary_dim,               \
-        int interleaved, int Hkv, int K, int c, int R, int spb, int vec) {                                      \
-        rebuild_missed_impl<T, D>(keys, a, a_row, a_tok, bmat, b_row, b_rank, b_head, ids, miss, positions,     \
-                                  pos_row_stride, inv_freq, attention_scaling, rotary_dim, interleaved, Hkv, K, \
-                                  c, R, spb, vec);                                                              \
+        int interleaved, int Hkv, int K, int c, int R, int spb, int vec, int BH) {                              \
+        for (int bh = blockIdx.x; bh < BH; bh += gridDim.x) {                                                   \
+            __syncthreads(); /* the shared memory of the block's previous (row, head) is read by every warp */ \
+            rebuild_missed_head<T, D>(bh, keys, a, a_row, a_tok, bmat, b_row, b_rank, b_head, ids, miss,       \
+                                      positions, pos_row_stride, inv_freq, attention_scaling, rotary_dim,        \
+                                      interleaved, Hkv, K, c, R, spb, vec);                                    \
+        }                                                                                                       \
     }
 
 REBUILD_MISSED(bf16, bfloat16, 64)

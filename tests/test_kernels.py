@@ -233,7 +233,8 @@ def test_rebuild_keys_kernel_reads_a_shared_document_in_place():
     [(64, 20, 8, 48, False), (128, 160, 8, 128, False), (256, 33, 5, 256, False), (128, 96, 3, 64, True),
      (64, 16, 1, 0, False)],
 )  # fmt: skip
-@pytest.mark.parametrize("batch, heads, slots", [(1, 8, 256), (3, 2, 37)])
+# 48 x 8 = 384 (row, head)s: more than the grid's cap on a GPU of up to 192 SMs, so a block takes several.
+@pytest.mark.parametrize("batch, heads, slots", [(1, 8, 256), (3, 2, 37), (48, 8, 16)])
 def test_fused_rebuild_gives_the_gemm_paths_keys(dtype, dim, rank, c, rotary, interleaved, batch, heads, slots):
     """The fused kernel (A·B of the missed slots on tensor cores, RoPE from a shared tile) against the batched GEMM of
     every slot then `rope_missed`: the products differ only in the order of their fp32 sums before the one rounding,

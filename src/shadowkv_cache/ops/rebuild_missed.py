@@ -15,7 +15,7 @@ import torch
 
 from .key_rope import rope_missed_reference, slot_products
 from .library import define_op
-from .loader import load_kernels, max_shared_bytes, multiprocessors
+from .loader import load_kernels, max_shared_bytes, multiprocessors, strided_grid
 
 __all__ = ["fused_fits", "rebuild_missed_op", "rebuild_missed_reference"]
 
@@ -24,8 +24,11 @@ _FUSED_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FUSED_HEAD_DIMS = (64, 128, 256)
 _FUSED_THREADS, _FUSED_PAD = 256, 8  # REBUILD_THREADS and REBUILD_PAD in the kernel
 # Grid (B*Hkv, splits): a head's slots are split over blocks until there are this many blocks per SM, each with at
-# least `_MIN_SLOTS_PER_BLOCK` slots (every block stages its head's B, so smaller splits mostly re-read B).
+# least `_MIN_SLOTS_PER_BLOCK` slots (every block stages its head's B, so smaller splits mostly re-read B). Past that
+# many blocks per SM the grid's x is capped and each block takes several (row, head)s: the blocks all start at once,
+# so the value fetch launched beside the rebuild (shadowkv/temporal_cache.py) need not wait behind queued ones.
 _FUSED_BLOCKS_PER_SM, _MIN_SLOTS_PER_BLOCK = 2, 32
+CAP_GRID = True  # off: one block per (row, head) however many, as before the cap (for comparisons)
 _STATIC_SHARED = 64  # the kernel's own shared memory (its warp counts, 32 bytes), with room to spare
 
 
@@ -48,6 +51,16 @@ def _slots_per_block(device: torch.device, rows: int, num_slots: int) -> int:
     want = -(-int(_FUSED_BLOCKS_PER_SM * multiprocessors(device)) // max(rows, 1))  # splits per (row, head)
     splits = max(1, min(want, num_slots // _MIN_SLOTS_PER_BLOCK))
     return -(-num_slots // splits)
+
+
+def _resident_per_sm(device: torch.device, shared: int) -> int:
+    """Blocks of the kernel that one SM holds at once (at most `_FUSED_BLOCKS_PER_SM`), by their shared memory: an SM
+    has the most a block may opt into plus the 1 KiB reserved per block."""
+    return max(1, min(_FUSED_BLOCKS_PER_SM, (max_shared_bytes(device) + 1024) // (shared + _STATIC_SHARED + 1024)))
+
+
+def _grid_rows(device: torch.device, rows: int, shared: int) -> int:
+    return strided_grid(device, rows, _resident_per_sm(device, shared))[0] if CAP_GRID else rows
 
 
 def fused_fits(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -136,13 +149,13 @@ def rebuild_missed_op(
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     kernels.launch(
         name,
-        grid=(rows, -(-num_slots // spb), 1),
+        grid=(_grid_rows(keys.device, rows, shared), -(-num_slots // spb), 1),
         block=(_FUSED_THREADS, 1, 1),
         args=[
             keys, a, (a.stride(0), i64), (a.stride(1), i64), b, (b.stride(0), i64), (b.stride(1), i64),
             (b.stride(2), i64), ids, miss, positions, (positions.stride(0), i64), inv_freq,
             (attention_scaling, ctypes.c_float), (rotary_dim, i32), (int(interleaved), i32), (heads, i32),
-            (num_slots, i32), (c, i32), (rank, i32), (spb, i32), (vec, i32),
+            (num_slots, i32), (c, i32), (rank, i32), (spb, i32), (vec, i32), (rows, i32),
         ],
         shared_bytes=shared,
     )  # fmt: skip
