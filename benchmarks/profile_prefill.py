@@ -8,7 +8,11 @@ adds over DynamicCache's says what compression spends it on (the factorisation's
 copies into the compressed layout, the values' encoding and copy to host memory), beside the idle device time each
 prefill leaves (host synchronisations, `benchmarks/timeline.py`).
 
+A layer's compression runs beside the next layers' forwards (hf/background.py); `shadowkv-inline` in `--methods`
+adds prefills that compress each layer inline, as before, timed in the same turns.
+
     python -m benchmarks.profile_prefill --context 131072 --repeats 3 --name prefill_profile_128k
+    python -m benchmarks.profile_prefill --context 131072 --repeats 3 --methods dynamic,shadowkv,shadowkv-inline
 """
 
 from __future__ import annotations
@@ -24,14 +28,22 @@ from benchmarks.results_io import add_results_dir_option, environment, write_res
 from benchmarks.speed import PAPER_SETTINGS, build_model, free, log, prefill_seconds
 from benchmarks.timeline import kernel_intervals, timeline_summary
 from shadowkv_cache import ShadowKVCache, ShadowKVConfig
+from shadowkv_cache.hf import background
 from shadowkv_cache.testing import layer_sizes, pinned_blocks, release_pinned
+
+METHODS = ("dynamic", "shadowkv", "shadowkv-inline")
 
 
 def prefill(model, ids: torch.Tensor, method: str, config: ShadowKVConfig, device: torch.device) -> float:
-    """Seconds of one prefill of `ids` into a fresh cache of `method` (the cache is dropped after)."""
+    """Seconds of one prefill of `ids` into a fresh cache of `method` (the cache is dropped after). `shadowkv-inline`
+    compresses each layer inline, as before compression ran beside the forward (hf/background.py)."""
     cache = DynamicCache(config=model.config) if method == "dynamic" else ShadowKVCache(model, config=config)
     free(device)
-    return prefill_seconds(model, cache, ids, device)
+    background.BACKGROUND = method != "shadowkv-inline"
+    try:
+        return prefill_seconds(model, cache, ids, device)
+    finally:
+        background.BACKGROUND = True
 
 
 def profiled(model, ids, method: str, config: ShadowKVConfig, device: torch.device) -> tuple[dict, dict | None]:
@@ -51,6 +63,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--repeats", type=int, default=3, help="timed prefills of each method, in turn")
     p.add_argument("--value-format", default="higgs4")
+    p.add_argument(
+        "--methods",
+        default="dynamic,shadowkv",
+        help=f"comma-separated, dynamic first, of {', '.join(METHODS)} (inline: without hf/background.py)",
+    )
     p.add_argument("--small", action="store_true", help="a tiny Llama (a check that the script runs)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--name", default=None, help="record under this name (JSON, Markdown, plot)")
@@ -58,6 +75,9 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    methods = args.methods.split(",")
+    if methods[0] != "dynamic" or len(methods) < 2 or not set(methods) <= set(METHODS):
+        p.error(f"--methods must start with dynamic and name others of {METHODS}, got {args.methods!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.small, device)
     config = ShadowKVConfig(min_compress_len=1024 if args.small else 4096, value_format=args.value_format,
@@ -65,7 +85,7 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
     if device.type == "cuda":  # a server pins its value pool once; prefills then reuse its blocks
         pinned_blocks(model.config.num_hidden_layers, layer_sizes(model, config, args.context).host_bytes_per_row)
-    times: dict[str, list[float]] = {"dynamic": [], "shadowkv": []}
+    times: dict[str, list[float]] = {method: [] for method in methods}
     for method in times:  # warm-up: kernels chosen and compiled, the pinned pool touched
         log(f"warm-up prefill {method}: {prefill(model, ids, method, config, device):.2f} s")
     for _ in range(args.repeats):
@@ -73,22 +93,24 @@ def main() -> None:
             seen.append(prefill(model, ids, method, config, device))
             log(f"prefill {args.context} {method}: {seen[-1]:.3f} s")
     median = {method: statistics.median(seen) for method, seen in times.items()}
-    share = (median["shadowkv"] - median["dynamic"]) / median["shadowkv"]
-    log(f"compression share {share:.2%} (medians {median['shadowkv']:.3f} against {median['dynamic']:.3f} s)")
+    share = {m: (median[m] - median["dynamic"]) / median[m] for m in methods[1:]}
+    for m in methods[1:]:
+        log(f"{m}: compression share {share[m]:.2%} (medians {median[m]:.3f} against {median['dynamic']:.3f} s)")
     rows = [dict(context=args.context, method=method, prefill_s=round(median[method], 4),
                  runs=", ".join(f"{t:.3f}" for t in seen),
-                 compress_share=round(share, 4) if method == "shadowkv" else "")
+                 compress_share=round(share[method], 4) if method in share else "")
             for method, seen in times.items()]  # fmt: skip
     extra, notes = {}, f"Medians of {args.repeats} prefills of each method, in turn, after one warm-up of each."
     if not args.no_profile and device.type == "cuda":
-        (dyn, dyn_line), (skv, skv_line) = (profiled(model, ids, m, config, device) for m in times)
+        (dyn, dyn_line), (skv, skv_line) = (profiled(model, ids, m, config, device) for m in methods[:2])
         added = sorted(((name, skv.get(name, 0.0) - dyn.get(name, 0.0)) for name in skv), key=lambda r: -r[1])
         extra = {"added_kernels": [dict(name=n, ms=round(ms, 3)) for n, ms in added[:25]],
                  "timeline": {"dynamic": dyn_line, "shadowkv": skv_line}}  # fmt: skip
         for row, line in zip(rows, (dyn_line, skv_line)):
             row.update(busy_s=round(line["busy_ms"] / 1e3, 4), idle_s=round(line["idle_ms"] / 1e3, 4))
         top = "; ".join(f"{n[:60]} {ms:.0f} ms" for n, ms in added[:6])
-        notes += (f" Profiled once each: ShadowKV's prefill kept the device busy {skv_line['busy_ms']:.0f} ms against "
+        notes += (f" Profiled once each ({methods[1]} against dynamic): ShadowKV's prefill kept the device busy "
+                  f"{skv_line['busy_ms']:.0f} ms against "
                   f"{dyn_line['busy_ms']:.0f} ms and left it idle {skv_line['idle_ms']:.0f} against "
                   f"{dyn_line['idle_ms']:.0f} ms; the kernels it adds most device time to: {top} "
                   "(`added_kernels` in the JSON).")  # fmt: skip

@@ -13,8 +13,6 @@ keeps of the prompt and how a step selects from it.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
@@ -23,30 +21,11 @@ from ..config import AUTO_QUERIES, ShadowKVConfig
 from ..core.attention import NO_TERMS, LogitTerms, Part, new_token_mask, new_token_validity, real_queries, real_tokens
 from ..ops.loader import kernels_available
 from ..stores.token_buffer import TokenBuffer
+from .background import PendingPrompt, compress_beside
 from .decode_graph import DecodeGraph, GraphSwitch, capture_or_none
+from .layer_mode import LayerMode
 
 __all__ = ["CompressedLayer", "LayerMode"]
-
-
-class LayerMode(Protocol):
-    """What a compressed layer asks of its mode (`ShadowKVMode`, `YakvMode`)."""
-
-    name: str
-    graph_safe: bool  # its one-token step never synchronises with the host, so it may be captured
-    config: ShadowKVConfig
-    prompt: object | None  # the compressed prompt (`CompressedPrompt`, `QuantizedPrompt`), None while exact
-
-    def empty_like(self) -> LayerMode: ...
-    def compress(self, keys_pre, keys, values, positions, real, recent_queries, scaling, rank_queries) -> bool: ...
-    def set_prompt(self, prompt) -> None: ...
-    def drop_decode_state(self) -> None: ...
-    def select_rows(self, index: torch.Tensor) -> None: ...
-    def graph_key(self) -> tuple: ...
-    def attend(self, query, scaling, query_mask, new_tokens: Part, terms: LogitTerms = NO_TERMS) -> torch.Tensor: ...
-    def hit_counts(self) -> tuple[int, int] | None: ...
-    def reset_hit_counts(self) -> None: ...
-    def sizes(self) -> tuple[int | None, int]: ...
-    def nbytes(self) -> tuple[int, int]: ...
 
 
 class CompressedLayer(DynamicLayer):
@@ -63,6 +42,7 @@ class CompressedLayer(DynamicLayer):
         self.new: TokenBuffer | None = None  # the tokens after a compressed prompt
         self._graph: DecodeGraph | None = None
         self._graph_ready = False  # one eager step ran (kernels loaded, workspaces made): capture may follow
+        self._pending: PendingPrompt | None = None  # the prompt being compressed beside the forward (background.py)
 
     @property
     def config(self) -> ShadowKVConfig:
@@ -71,11 +51,18 @@ class CompressedLayer(DynamicLayer):
     @property
     def prompt(self):
         """The compressed prompt (`CompressedPrompt` or `QuantizedPrompt`), or None while the layer is exact."""
+        self.finish_compression()
         return self.mode.prompt
 
     @property
     def is_compressed(self) -> bool:
-        return self.mode.prompt is not None
+        return self._pending is not None or self.mode.prompt is not None
+
+    def finish_compression(self) -> None:
+        """Hold the prompt compressed beside the forward, once it is done (a no-op when none is pending)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.mode.set_prompt(pending.result())
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -83,7 +70,7 @@ class CompressedLayer(DynamicLayer):
         return super().get_seq_length() + (self.prompt.slots if self.prompt is not None else 0)
 
     def reset(self) -> None:
-        self.mode, self.new, self._graph = self.mode.empty_like(), None, None
+        self.mode, self.new, self._graph, self._pending = self.mode.empty_like(), None, None, None
         # Dropped, not zeroed: Transformers < 5.18 zeroes the tensors in place and keeps their length.
         self.keys = self.values = None
         self.is_initialized = False
@@ -231,14 +218,20 @@ class CompressedLayer(DynamicLayer):
             scaling (`float`, *optional*): the model's attention scaling, for the same.
         """
         keys, values = self.keys, self.values
-        batch, _, slots, _ = keys.shape
+        batch, heads, slots, dim = keys.shape
         real = real_tokens(attention_mask, batch, slots, keys.device)
+        lengths = [slots] * batch if attention_mask is None else real.sum(dim=-1).tolist()
+        if not any(self.config.resolve(n, heads * dim).num_chunks for n in lengths):
+            return  # no row is long enough: the layer stays exact
         positions = positions.expand(batch, slots).to(torch.int64)
         window = self.mode.policy.observation_window
         recent = query[:, :, -window:] if window and query is not None else None
         rank_queries = query[:, :, -AUTO_QUERIES:] if query is not None else None
-        if not self.mode.compress(keys_pre, keys, values, positions, real, recent, scaling, rank_queries):
-            return
+        inputs = (keys_pre, keys, values, positions, real, recent, scaling, rank_queries)
+        mode = self.mode
+        self._pending = compress_beside(lambda: mode.make_prompt(*inputs), inputs[:6] + inputs[7:], keys.device)
+        if self._pending is None:
+            mode.set_prompt(mode.make_prompt(*inputs))
         self.new = TokenBuffer(keys[..., :0, :], values[..., :0, :])
         self.keys, self.values = self.new.held()
         self._graph = None

@@ -8,7 +8,9 @@ and a clear error instead of a silently wrong step.
   scope. The outermost scope of a thread records what each layer holds (references: updates replace tensors, or
   append to a token buffer in place, which a crop undoes); if the call raises, every layer goes back to that
   record, so a failed first fill leaves an empty cache and a failed `generate` the cache it started with. If putting
-  a layer back fails too, the cache is marked broken and every later use raises, naming `reset()`.
+  a layer back fails too, the cache is marked broken and every later use raises, naming `reset()`. Every scope
+  ends the compressions its call left running beside the forward (`hf/background.py`); one that failed fails the
+  call.
 - `CacheState`: what one cache keeps for this (its model, that model's attention modules, the guard, why it is
   broken) and the checks that every `update` passes: the step runs in the "shadowkv" attention of the cache's own
   model, on the thread that uses the cache. Otherwise attention would not read what the cache holds.
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from .background import drain, finish_compression
 from .step_context import ATTENTION_NAME, current_step
 
 if TYPE_CHECKING:
@@ -200,8 +203,17 @@ class UseScope:
 
     def __exit__(self, kind, error, traceback) -> bool:
         try:
-            if kind is not None and self.outer:
-                self.state.roll_back(self.cache, self.saved, error)
+            if kind is None:
+                try:  # the call's compressions beside the forward end with it (hf/background.py)
+                    finish_compression(self.cache.layers)
+                except BaseException as err:
+                    if self.outer:
+                        self.state.roll_back(self.cache, self.saved, err)
+                    raise
+            else:
+                drain()  # none of the call's compressions runs past it (a later graph capture must see no other work)
+                if self.outer:
+                    self.state.roll_back(self.cache, self.saved, error)
         finally:
             self.saved = None
             self.state.guard.exit()

@@ -46,7 +46,7 @@ class ShadowKVMode:
         """A mode of the same settings that holds nothing."""
         return ShadowKVMode(self.config, self.policy, self.rope)
 
-    def compress(
+    def make_prompt(
         self,
         keys_pre: torch.Tensor,
         keys: torch.Tensor,
@@ -56,11 +56,11 @@ class ShadowKVMode:
         recent_queries: torch.Tensor | None,
         scaling: float | None,
         rank_queries: torch.Tensor | None = None,
-    ) -> bool:
-        """Compress a prefilled prompt (`[B, Hkv, S, D]` keys before and after RoPE, values, `[B, S]` positions and
-        real-token mask; the policy's observation window and the queries `rank="auto"` measures against, each
-        `[B, Hq, W, D]`); False when no row is long enough (the layer then stays exact)."""
-        prompt = compress_prompt(
+    ) -> CompressedPrompt | None:
+        """The compressed prompt of a prefill (`[B, Hkv, S, D]` keys before and after RoPE, values, `[B, S]` positions
+        and real-token mask; the policy's observation window and the queries `rank="auto"` measures against, each
+        `[B, Hq, W, D]`), or None when no row is long enough. Changes nothing here (`set_prompt` takes it)."""
+        return compress_prompt(
             keys_pre,
             keys,
             values,
@@ -73,8 +73,6 @@ class ShadowKVMode:
             rank_queries,
             self.rope,
         )
-        self.set_prompt(prompt)
-        return prompt is not None
 
     def set_prompt(self, prompt: CompressedPrompt | None) -> None:
         """Hold `prompt` (a loaded, shared or joined one) with an empty temporal cache."""

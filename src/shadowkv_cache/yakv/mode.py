@@ -71,7 +71,7 @@ class YakvMode:
             self._quantizer = HiggsQuantizer(head_dim, self.config.host_grid_dim)
         return self._quantizer
 
-    def compress(
+    def make_prompt(
         self,
         keys_pre: torch.Tensor,
         keys: torch.Tensor,
@@ -81,14 +81,12 @@ class YakvMode:
         recent_queries: torch.Tensor | None,
         scaling: float | None,
         rank_queries: torch.Tensor | None = None,
-    ) -> bool:
-        """Quantise a prefilled prompt (same arguments as `ShadowKVMode.compress`; keys are kept after RoPE and not
-        factorised, so the pre-RoPE keys, positions and `rank_queries` are not needed); False when no row is long
-        enough."""
+    ) -> QuantizedPrompt | None:
+        """The quantised prompt of a prefill (same arguments as `ShadowKVMode.make_prompt`; keys are kept after RoPE
+        and not factorised, so the pre-RoPE keys, positions and `rank_queries` are not needed), or None when no row is
+        long enough. Changes nothing here (`set_prompt` takes it)."""
         quantizer = self.quantizer(keys.shape[-1])
-        prompt = quantize_prompt(keys, values, real, self.config, self.policy, quantizer, recent_queries, scaling)
-        self.set_prompt(prompt)
-        return prompt is not None
+        return quantize_prompt(keys, values, real, self.config, self.policy, quantizer, recent_queries, scaling)
 
     @property
     def fetched_bytes(self) -> int:
