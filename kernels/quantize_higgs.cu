@@ -16,25 +16,88 @@
 // largest x.g - |g|^2/2 (the smallest |x - g|^2, as the twin's addmm + argmin); when M < 32 the L lanes of a
 // sub-vector scan interleaved points (j = part, part + L, ...) and merge, so no lane idles and neighbouring lanes
 // read neighbouring points. Ties go to the lower index, as argmin's first minimum.
+//
+// The search is the kernel's cost (M * 256 scores per vector against one read of D values), so it is built to
+// issue few instructions per score: a point and its -|g|^2/2 sit in one padded record of float4s (one shared load
+// for p = 2, broadcast to the warp), and when M > 32 each lane scores its S = M/32 sub-vectors against every point
+// it loads. Each score is the same fma chain as before (-|g|^2/2, then x_c * g_c in order), so the codes do not
+// depend on S.
 #include "common.cuh"
 
 #define QH_WARPS 8       // vectors in flight per block of 256 threads
 #define QH_MAX_DIM 256   // the warp's shared row
 
-template <int P> __device__ __forceinline__ void load_point(const float* g, float (&out)[P]) {
-    if constexpr (P == 2) {
-        const float2 t = *reinterpret_cast<const float2*>(g);
-        out[0] = t.x;
-        out[1] = t.y;
-    } else {
+// A point's record: its P coordinates, then -|g|^2/2, padded to whole float4s (4 floats at p = 2, 8 at 4, 12 at 8).
+template <int P> struct PointRecord {
+    static constexpr int kFloats = (P + 1 + 3) / 4 * 4;
+    static constexpr int kQuads = kFloats / 4;
+};
+
+/// Scores of S sub-vectors (xs[k], lane's sub-vectors) against the points j = part, part + L, ... < 256; best[k] and
+/// best_j[k] keep the first largest in that order.
+template <int P, int S>
+__device__ __forceinline__ void scan_points(const float4* records, const float (&xs)[S][P], int part, int L,
+                                            float (&best)[S], int (&best_j)[S]) {
+    constexpr int Q = PointRecord<P>::kQuads;
 #pragma unroll
-        for (int k = 0; k < P / 4; ++k) {
-            const float4 t = reinterpret_cast<const float4*>(g)[k];
-            out[4 * k] = t.x;
-            out[4 * k + 1] = t.y;
-            out[4 * k + 2] = t.z;
-            out[4 * k + 3] = t.w;
+    for (int k = 0; k < S; ++k) {
+        best[k] = NEG_INF;
+        best_j[k] = 0;  // stays 0 only if every score is -inf or NaN
+    }
+    const int steps = 256 / L;
+#pragma unroll 4
+    for (int t = 0; t < steps; ++t) {
+        const int j = part + t * L;
+        float r[4 * Q];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const float4 v = records[j * Q + q];
+            r[4 * q] = v.x;
+            r[4 * q + 1] = v.y;
+            r[4 * q + 2] = v.z;
+            r[4 * q + 3] = v.w;
         }
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            float e = r[P];
+#pragma unroll
+            for (int c = 0; c < P; ++c) e = fmaf(xs[k][c], r[c], e);
+            if (e > best[k]) {  // strict: the first of equal scores in this lane's (increasing) order
+                best[k] = e;
+                best_j[k] = j;
+            }
+        }
+    }
+}
+
+/// The search for one vector in the warp's row `v` (rotated, unnormalised): codes of its M sub-vectors, S per lane
+/// (M = 32 * S when S > 1; M <= 32 with L = 32 / M lanes each when S == 1).
+template <int P, int S>
+__device__ __forceinline__ void search_vector(unsigned char* codes_row, const float* v, const float4* records, int M,
+                                              int L, float inv_sqrt_d, float scale) {
+    const int lane = threadIdx.x & 31, part = lane & (L - 1), first = lane / L, per_pass = 32 / L;
+    float xs[S][P];
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int s = first + k * per_pass;
+#pragma unroll
+        for (int c = 0; c < P; ++c) xs[k][c] = s < M ? v[s * P + c] * inv_sqrt_d * scale : 0.f;
+    }
+    float best[S];
+    int best_j[S];
+    scan_points<P, S>(records, xs, part, L, best, best_j);
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        for (int off = 1; off < L; off <<= 1) {  // the L lanes of one sub-vector are consecutive
+            const float other = __shfl_xor_sync(0xffffffffu, best[k], off);
+            const int other_j = __shfl_xor_sync(0xffffffffu, best_j[k], off);
+            if (other > best[k] || (other == best[k] && other_j < best_j[k])) {
+                best[k] = other;
+                best_j[k] = other_j;
+            }
+        }
+        const int s = first + k * per_pass;
+        if (part == 0 && s < M) codes_row[s] = (unsigned char)best_j[k];
     }
 }
 
@@ -52,25 +115,28 @@ __device__ __forceinline__ void quantize_higgs_impl(unsigned char* codes, f16* n
                                                     long long n_vectors, long long inner, long long outer_stride,
                                                     long long inner_stride, int D, const float* grid,
                                                     const float* signs, float inv_sqrt_d, float sqrt_d) {
-    __shared__ __align__(16) float points[256 * P];
-    __shared__ float neg_half_sq[256];
+    constexpr int R = PointRecord<P>::kFloats;
+    __shared__ __align__(16) float records[256 * R];
     __shared__ float sign[QH_MAX_DIM];
     __shared__ float rows[QH_WARPS][QH_MAX_DIM];
-    for (int i = threadIdx.x; i < 256 * P; i += blockDim.x) points[i] = grid[i];
+    for (int i = threadIdx.x; i < 256 * R; i += blockDim.x) {
+        const int j = i / R, c = i % R;
+        records[i] = c < P ? grid[j * P + c] : 0.f;
+    }
     for (int i = threadIdx.x; i < D; i += blockDim.x) sign[i] = signs[i];
     __syncthreads();
     for (int j = threadIdx.x; j < 256; j += blockDim.x) {
         float sq = 0.f;
 #pragma unroll
-        for (int c = 0; c < P; ++c) sq = fmaf(points[j * P + c], points[j * P + c], sq);
-        neg_half_sq[j] = -0.5f * sq;
+        for (int c = 0; c < P; ++c) sq = fmaf(records[j * R + c], records[j * R + c], sq);
+        records[j * R + P] = -0.5f * sq;
     }
     __syncthreads();
+    const float4* quads = reinterpret_cast<const float4*>(records);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int M = D / P;
     const int L = M >= 32 ? 1 : 32 / M;  // M and 32 are powers of two: M * L == 32 when M < 32
-    const int per_pass = 32 / L, part = lane & (L - 1);
     float* v = rows[warp];
     for (long long n = (long long)blockIdx.x * QH_WARPS + warp; n < n_vectors; n += (long long)gridDim.x * QH_WARPS) {
         const T* src = x + (n / inner) * outer_stride + (n % inner) * inner_stride;
@@ -97,34 +163,13 @@ __device__ __forceinline__ void quantize_higgs_impl(unsigned char* codes, f16* n
         // makes it dequantise to zero whatever the codes.
         const float scale = sqrt_d / fmaxf(norm, 1.17549435e-38f);  // the twin's clamp to float32 tiny
         if (lane == 0) norms[n] = from_f32<f16>(norm);
-
-        for (int s = lane / L; s < M; s += per_pass) {  // the same trip count on every lane (shuffles below)
-            float xs[P];
-#pragma unroll
-            for (int c = 0; c < P; ++c) xs[c] = v[s * P + c] * inv_sqrt_d * scale;
-            float best = NEG_INF;
-            int best_j = 0;  // stays 0 only if every score is -inf or NaN
-            for (int j = part; j < 256; j += L) {
-                float g[P];
-                load_point<P>(points + j * P, g);
-                float e = neg_half_sq[j];
-#pragma unroll
-                for (int c = 0; c < P; ++c) e = fmaf(xs[c], g[c], e);
-                if (e > best) {  // strict: the first of equal scores in this lane's (increasing) order
-                    best = e;
-                    best_j = j;
-                }
-            }
-            for (int off = 1; off < L; off <<= 1) {  // the L lanes of one sub-vector are consecutive
-                const float other = __shfl_xor_sync(0xffffffffu, best, off);
-                const int other_j = __shfl_xor_sync(0xffffffffu, best_j, off);
-                if (other > best || (other == best && other_j < best_j)) {
-                    best = other;
-                    best_j = other_j;
-                }
-            }
-            if (part == 0) codes[n * M + s] = (unsigned char)best_j;
-        }
+        unsigned char* row = codes + n * M;
+        if (M > 64)
+            search_vector<P, 4>(row, v, quads, M, L, inv_sqrt_d, scale);
+        else if (M > 32)
+            search_vector<P, 2>(row, v, quads, M, L, inv_sqrt_d, scale);
+        else
+            search_vector<P, 1>(row, v, quads, M, L, inv_sqrt_d, scale);
         __syncwarp();  // every lane has read the row before the next vector overwrites it
     }
 }

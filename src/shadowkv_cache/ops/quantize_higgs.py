@@ -25,7 +25,7 @@ __all__ = ["quantize_higgs_op", "quantize_vectors", "quantize_vectors_reference"
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DIM = 256  # the kernel's shared row per warp
 _WARPS = 8  # vectors in flight per block of 256 threads
-_BLOCKS_PER_SM = 8  # 2048 threads per SM at 32-40 registers and <= 18 KiB of shared memory per block
+_BLOCKS_PER_SM = 8  # as many as fit (2048 threads at <= 32 registers; <= 21 KiB of shared memory per block)
 
 
 def quantize_vectors_reference(quantizer: HiggsQuantizer, x: torch.Tensor) -> QuantizedVectors:
