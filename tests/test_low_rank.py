@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import NUM_KV_HEADS
 
+from shadowkv_cache.core.fp32_products import matmul_fp32, project_fp32
 from shadowkv_cache.core.landmarks import chunk_landmarks, outlier_chunks
 from shadowkv_cache.core.low_rank import factorize_keys, reconstruct_keys
 
@@ -114,6 +116,45 @@ def test_outlier_chunks_find_planted_outliers(planted):
     assert found.shape == (heads, len(planted))
     for head in range(heads):
         assert sorted(found[head].tolist()) == sorted((p + head) % chunks for p in planted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outlier_chunks_rank_by_cosine_similarity(dtype):
+    """On random keys (no planted structure, so every choice is a close call), the chunks chosen are those whose
+    least similar key has the lowest `F.cosine_similarity` to the chunk's landmark, computed on fp32 copies."""
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(NUM_KV_HEADS, 64, 8, 32, generator=gen).to(dtype)
+    landmarks = chunk_landmarks(keys)
+    sim = F.cosine_similarity(keys.float(), landmarks.float().unsqueeze(-2), dim=-1).amin(-1)
+    want = sim.topk(6, dim=-1, largest=False).indices
+    assert torch.equal(outlier_chunks(keys, landmarks, 6).sort(-1).values, want.sort(-1).values)
+
+
+def test_landmarks_sum_16_bit_keys_in_fp32():
+    keys = torch.randn(2, 5, 8, 16, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    torch.testing.assert_close(chunk_landmarks(keys, torch.float32), keys.double().mean(-2).float())
+    assert chunk_landmarks(keys).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_products_of_16_bit_operands(device, dtype):
+    """`matmul_fp32` and `project_fp32` agree with the fp64 products of the same numbers to fp32 round-off (on CUDA
+    through tensor cores, with the basis split into two 16-bit parts), and return fp32."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3000, 256, generator=gen).to(dtype).to(device)
+    basis = torch.linalg.qr(torch.randn(256, 40, generator=gen, dtype=torch.float64))[0].float().to(device)
+    got, want = project_fp32(x, basis), x.double() @ basis.double()
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    groups = torch.randn(6, 40, 256, generator=gen).to(dtype).to(device)
+    other = torch.randn(6, 256, 3, generator=gen).to(dtype).to(device)
+    for a, b in ((x.T, x), (groups, other)):
+        got, want = matmul_fp32(a, b), a.double() @ b.double()
+        assert got.dtype == torch.float32
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
 def test_no_outliers_requested():

@@ -11,14 +11,18 @@ poorly summarised by their mean (lowest minimum cosine similarity between the la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .fp32_products import matmul_fp32
 
 __all__ = ["chunk_landmarks", "outlier_chunks", "quantize_landmarks"]
 
+_EPS = 1e-8  # F.cosine_similarity's
 
-def chunk_landmarks(chunk_keys: torch.Tensor) -> torch.Tensor:
-    """Mean key of each chunk: `[Hkv, C, c, D]` -> `[Hkv, C, D]` (computed in fp32, returned in the input dtype)."""
-    return chunk_keys.float().mean(dim=-2).to(chunk_keys.dtype)
+
+def chunk_landmarks(chunk_keys: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Mean key of each chunk: `[..., C, c, D]` -> `[..., C, D]`, summed in fp32 (without an fp32 copy of the keys)
+    and returned in `dtype` (default: the keys')."""
+    return chunk_keys.mean(dim=-2, dtype=torch.float32).to(dtype or chunk_keys.dtype)
 
 
 def quantize_landmarks(landmarks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +39,14 @@ def quantize_landmarks(landmarks: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def outlier_chunks(chunk_keys: torch.Tensor, landmarks: torch.Tensor, num_outliers: int) -> torch.Tensor:
     """Indices `[Hkv, O]` of the `num_outliers` chunks per head with the lowest min cosine similarity.
 
-    `chunk_keys` is `[Hkv, C, c, D]`, `landmarks` `[Hkv, C, D]`.
+    `chunk_keys` is `[Hkv, C, c, D]`, `landmarks` `[Hkv, C, D]`. The similarity is `F.cosine_similarity`'s (each norm
+    clamped to 1e-8) up to fp32 rounding order, from fp32 sums of the keys as stored: no fp32 copy of them.
     """
-    sim = F.cosine_similarity(chunk_keys.float(), landmarks.float().unsqueeze(-2), dim=-1)  # [Hkv, C, c]
+    heads, chunks, c, dim = chunk_keys.shape
+    landmarks = landmarks.to(chunk_keys.dtype)
+    dots = matmul_fp32(chunk_keys.reshape(heads * chunks, c, dim), landmarks.reshape(heads * chunks, dim, 1))
+    key_norms = torch.linalg.vector_norm(chunk_keys, dim=-1, dtype=torch.float32).clamp_min_(_EPS)  # [Hkv, C, c]
+    mark_norms = torch.linalg.vector_norm(landmarks, dim=-1, dtype=torch.float32).clamp_min_(_EPS)  # [Hkv, C]
+    sim = dots.view(heads, chunks, c) / (key_norms * mark_norms[..., None])
     worst = sim.min(dim=-1).values  # [Hkv, C]
     return worst.topk(num_outliers, dim=-1, largest=False).indices

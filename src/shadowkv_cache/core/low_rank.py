@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp32_products import matmul_fp32, project_fp32
+
 __all__ = ["RankProbe", "factorize_keys", "key_spectrum", "rank_for_logit_error", "reconstruct_keys"]
 
 # Tokens the logit-error rule samples per row (evenly spaced): the error estimate then costs the same at any length.
@@ -146,7 +148,7 @@ def factorize_keys(
         low = min(max(min_rank, 1), rank)
         rank = rank_for_logit_error(keys, eigvecs, probe, max_logit_error, low, rank, max_logit_shift)
     v = eigvecs[:, :rank]  # [Hkv*D, R], strongest direction first
-    return keys.float() @ v, v.T.contiguous()
+    return project_fp32(keys, v), v.T.contiguous()
 
 
 def reconstruct_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -154,22 +156,11 @@ def reconstruct_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-_FP32_OUT_GEMM = [True]  # whether this torch's CUDA `mm` takes `out_dtype` (2.8 and later); cleared at first refusal
-
-
 def _gram(keys: torch.Tensor) -> torch.Tensor:
-    """`KᵀK` in fp32 of `keys` `[T, Hkv*D]`. 16-bit keys on CUDA multiply on tensor cores with fp32 sums and an fp32
-    result: their products are exact in fp32 either way, and the fp32 GEMM of the upcast keys took 218 ms of a 128K
-    prefill on the Llama-3.1-8B shape (an H100 machine, `prefill_profile_128k`), ~20x the bf16 GEMM's time."""
-    if keys.is_cuda and keys.dtype in (torch.bfloat16, torch.float16) and _FP32_OUT_GEMM[0]:
-        try:
-            return torch.mm(keys.T, keys, out_dtype=torch.float32)
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError, NotImplementedError):
-            _FP32_OUT_GEMM[0] = False
-    k32 = keys.float()
-    return k32.T @ k32
+    """`KᵀK` in fp32 of `keys` `[T, Hkv*D]`: 16-bit keys on CUDA multiply on tensor cores (`matmul_fp32`); the fp32
+    GEMM of the upcast keys took 218 ms of a 128K prefill on the Llama-3.1-8B shape (an H100 machine,
+    `prefill_profile_128k`), ~20x the bf16 GEMM's time."""
+    return matmul_fp32(keys.T, keys)
 
 
 def _eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

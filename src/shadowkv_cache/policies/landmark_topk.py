@@ -45,7 +45,7 @@ class LandmarkTopK(SelectionPolicy):
 
     def prepare(self, chunk_keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """The landmarks of post-RoPE keys `[B, Hkv, C, c, D]`, in this policy's format (`state_of`)."""
-        return self.state_of(chunk_landmarks(chunk_keys.float()), chunk_keys.dtype)  # means in fp32
+        return self.state_of(chunk_landmarks(chunk_keys, torch.float32), chunk_keys.dtype)
 
     def state_of(self, landmarks: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The policy state of `landmarks` `[B, Hkv, C, D]` (any float dtype, converted from): `{"landmarks"}` in
