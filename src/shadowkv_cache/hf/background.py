@@ -112,7 +112,9 @@ def _worker() -> ThreadPoolExecutor:
 def _side_stream(index: int) -> torch.cuda.Stream:
     with _lock:
         if index not in _side_streams:
-            _side_streams[index] = torch.cuda.Stream(device=index)
+            # High priority: at 128K the forward's kernels fill every SM, so at equal priority the compression's
+            # blocks (the eigensolver's are few and latency-bound) queue behind them and nothing overlaps.
+            _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
         return _side_streams[index]
 
 
