@@ -55,13 +55,13 @@ class PendingPrompt:
         return prompt
 
 
-def compress_beside(job: Callable[[], Any], inputs: Iterable[torch.Tensor | None], device: torch.device):
-    """Run `job` (a layer's compression, reading `inputs`, which the current stream has queued work on) on the
-    worker; a `PendingPrompt`, or None where the layer compresses inline (`job` is not called)."""
+def compress_beside(job: Callable[[], Any], inputs: Iterable[Any], device: torch.device):
+    """Run `job` (a layer's compression, reading the tensors among `inputs`, which the current stream has queued work
+    on) on the worker; a `PendingPrompt`, or None where the layer compresses inline (`job` is not called)."""
     global _last_done
     if not BACKGROUND or (device.type != "cuda" and not ON_CPU):
         return None
-    inputs = [t for t in inputs if t is not None]
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
     ready, side = None, None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()

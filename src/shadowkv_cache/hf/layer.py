@@ -229,7 +229,7 @@ class CompressedLayer(DynamicLayer):
         rank_queries = query[:, :, -AUTO_QUERIES:] if query is not None else None
         inputs = (keys_pre, keys, values, positions, real, recent, scaling, rank_queries)
         mode = self.mode
-        self._pending = compress_beside(lambda: mode.make_prompt(*inputs), inputs[:6] + inputs[7:], keys.device)
+        self._pending = compress_beside(lambda: mode.make_prompt(*inputs), inputs, keys.device)
         if self._pending is None:
             mode.set_prompt(mode.make_prompt(*inputs))
         self.new = TokenBuffer(keys[..., :0, :], values[..., :0, :])
