@@ -60,14 +60,19 @@ def shadowkv_bound(
 
 def yakv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float, float, float]:
     """`(seconds, HBM bytes, PCIe bytes)` per step in YAKV mode: HBM (weights, scoring codes and norms, attended set)
-    + PCIe (the records of the selected tokens not held from the previous step, a share `1 - h`)."""
+    + PCIe (the records of the selected tokens not held from the previous step, a share `1 - h`). Of those records,
+    the share the device mirror holds (`device_record_share`, selected tokens spread evenly over the prompt) is read
+    from HBM instead."""
     cfg = model.config
     sizes = layer_sizes(model, config, length)
     size = sizes.resolved
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    near = sizes.mirrored_tokens / max(size.num_chunks, 1)
     scoring = size.num_chunks * hkv * (d // config.score_grid_dim + 2)
     attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
     missed = size.budget_chunks * (1 - h) * hkv * d * 2 * 2  # the records not held, dequantised into their slots
-    hbm = weights + batch * cfg.num_hidden_layers * (scoring + attended + missed)  # attention reads the parts once
-    pcie = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * (1 - h) * sizes.record_bytes
+    records = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * (1 - h) * sizes.record_bytes
+    # attention reads the parts once
+    hbm = weights + batch * cfg.num_hidden_layers * (scoring + attended + missed) + near * records
+    pcie = (1 - near) * records
     return hbm / hbm_bw + pcie / PCIE_ZERO_COPY, hbm, pcie

@@ -64,7 +64,9 @@ def make_cache(model, args, batch: int, graphs: str, device: torch.device, fused
         **PAPER_SETTINGS,
     )
     if args.mode == "yakv":
-        config = dataclasses.replace(config, mode="yakv", rank="auto", sparse_budget=None)
+        config = dataclasses.replace(
+            config, mode="yakv", rank="auto", sparse_budget=None, device_record_share=args.device_record_share
+        )
         blocks = None
         if device.type == "cuda":
             row = layer_sizes(model, config, args.context).host_bytes_per_row
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--landmark-format", choices=LANDMARK_FORMATS, default="native",
                    help="ShadowKV mode: LandmarkTopK's landmark_format")  # fmt: skip
     p.add_argument("--mode", choices=["shadowkv", "yakv"], default="shadowkv")
+    p.add_argument("--device-record-share", type=float, default=0.0, help="YAKV: records also kept on the GPU")
     p.add_argument("--generate", action="store_true", help="also profile steps through model.generate (host time)")
     p.add_argument("--name", default=None, help="record the step times under this name (JSON, Markdown, plot)")
     add_kernel_grid_options(p)
@@ -123,6 +126,8 @@ def main() -> None:
             step = decode(model, cache, batch, 4, args.steps, device)
             hit = cache.memory_report().hit_rate
             values = args.value_format if args.mode == "shadowkv" else "higgs4 k+v"
+            if args.mode == "yakv" and args.device_record_share:
+                values += f", {args.device_record_share:g} on GPU"
             landmarks = args.landmark_format if args.mode == "shadowkv" else None
             rows.append(dict(context=args.context, batch=batch, mode=args.mode, values=values, landmarks=landmarks,
                              graphs=graphs, fused=switch,

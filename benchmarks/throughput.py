@@ -83,6 +83,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--h-sweep", type=float, default=0.6, help="hit rate of the ShadowKV batch sweep")
     p.add_argument("--yakv-h", type=float, default=YAKV_H, help="hit rate of the YAKV batch sweep (tokens)")
+    p.add_argument(
+        "--yakv-device-shares",
+        default="0",
+        help="YAKV sweeps' device_record_share values (comma-separated): records also kept on the GPU",
+    )
     p.add_argument("--host-gib", type=float, default=96.0, help="host memory the ShadowKV sweep may pin")
     p.add_argument("--value-formats", default="native,fp8", help="host value formats of the ShadowKV sweep")
     p.add_argument(

@@ -53,6 +53,8 @@ class Recorder:
             label = r["method"]
             if r["method"] == "shadowkv":
                 label += f" {variant_label(r.get('value_format'), r.get('landmark_format'))} h={r['h_target']}"
+            elif r["method"] == "yakv" and r.get("value_format") not in (None, "higgs4 k+v"):
+                label += f" ({r['value_format']})"
             best = series.setdefault(label, {})
             best[r["context"]] = max(best.get(r["context"], 0.0), r["tok_s"])
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -100,14 +102,19 @@ def add_summary(rec: Recorder, contexts: list[int], variants: list[tuple[str, st
         roof = [r for r in rec.rows if r["context"] == length and r["method"] == "full-attention roofline"]
         roof_best = max(roof, key=lambda r: r["tok_s"], default=None)  # its best batch: the largest that fits
         tops = {}
-        for method, variant in [("shadowkv", v) for v in variants] + [("yakv", None)]:
+        yakv_labels = dict.fromkeys(r.get("value_format") for r in rec.rows if r["method"] == "yakv")
+        for method, variant in [("shadowkv", v) for v in variants] + [("yakv", label) for label in yakv_labels]:
             rows = [
                 r
                 for r in rec.rows
                 if r["context"] == length
                 and r["method"] == method
                 and r.get("fill") == "synthetic"
-                and (method == "yakv" or (variant_of(r) == variant and r.get("h_target") == h_sweep))
+                and (
+                    r.get("value_format") == variant
+                    if method == "yakv"
+                    else (variant_of(r) == variant and r.get("h_target") == h_sweep)
+                )
             ]
             if not rows:
                 continue
@@ -122,8 +129,10 @@ def add_summary(rec: Recorder, contexts: list[int], variants: list[tuple[str, st
             if method == "yakv":
                 notes += [f"x{top['tok_s'] / t['tok_s']:.2f} vs ShadowKV {variant_label(*v)} best ({t['tok_s']:.1f})"
                           for (m, v), t in tops.items() if m == "shadowkv"]  # fmt: skip
-            landmarks = variant[1] if variant else "native"
-            who = method if landmarks == "native" else f"{method} ({landmarks} landmarks)"
+            if method == "yakv":
+                who = method if variant == "higgs4 k+v" else f"{method} ({variant})"
+            else:
+                who = method if variant[1] == "native" else f"{method} ({variant[1]} landmarks)"
             if notes:
                 rec.add(dict(context=length, method="summary", value_format=top.get("value_format"),
                              landmark_format=top.get("landmark_format"), batch=top["batch"],

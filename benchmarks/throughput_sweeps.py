@@ -245,37 +245,46 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
 
 
 def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
-    """4. Per context: YAKV mode over the batch sweep up to the host budget, at the controlled hit rate `--yakv-h`.
-    Every step scores every token from the device codes, selects the top k tokens and fetches the 4-bit key and value
-    records of those not held from the previous step."""
+    """4. Per context and device share (`--yakv-device-shares`): YAKV mode over the batch sweep up to the host budget
+    (and what GPU memory holds), at the controlled hit rate `--yakv-h`. Every step scores every token from the device
+    codes, selects the top k tokens and fetches the 4-bit key and value records of those not held from the previous
+    step: from the device mirror for the first `share` of each row's tokens, over PCIe for the others."""
     model, cfg, device, args = run.model, run.cfg, run.device, run.args
-    # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
-    yakv_config = mode_config(run.config, "yakv")
-    for length in run.contexts if "yakv" in run.methods else []:
-        row_host = layer_sizes(model, yakv_config, length).host_bytes_per_row
-        sweep, max_rows = _host_sweep(run, row_host, 0)
-        log(f"yakv {length}: host records {row_host * cfg.num_hidden_layers / GiB:.2f} GiB per row, "
-            f"up to {max_rows} rows")  # fmt: skip
-        for batch in sweep:
-            cache = None
-            try:
-                free(device)
-                reset_peak(device)
-                cache = synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
-                step = decode(model, cache, batch, args.warm, args.steps, device)
-            except torch.OutOfMemoryError:
-                log(f"yakv {length} batch {batch}: out of GPU memory")
+    for share in [float(s) for s in args.yakv_device_shares.split(",")]:
+        # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
+        yakv_config = dataclasses.replace(mode_config(run.config, "yakv"), device_record_share=share)
+        label = yakv_label(share)
+        for length in run.contexts if "yakv" in run.methods else []:
+            row_host = layer_sizes(model, yakv_config, length).host_bytes_per_row
+            sweep, max_rows = _host_sweep(run, row_host, 0)
+            log(f"yakv {length} ({label}): host records {row_host * cfg.num_hidden_layers / GiB:.2f} GiB per row, "
+                f"up to {max_rows} rows")  # fmt: skip
+            for batch in sweep:
+                cache = None
+                try:
+                    free(device)
+                    reset_peak(device)
+                    cache = synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
+                    step = decode(model, cache, batch, args.warm, args.steps, device)
+                except torch.OutOfMemoryError:
+                    log(f"yakv {length} ({label}) batch {batch}: out of GPU memory")
+                    del cache
+                    free(device)
+                    break
+                hr = hit_rate(cache)
+                bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
+                run.rec.add(dict(context=length, method="yakv", value_format=label, fill="synthetic", batch=batch,
+                                 h_target=args.yakv_h, hit_rate=hr, tok_s=batch / step, step_ms=step * 1e3,
+                                 **peaks(device), host_gib=batch * row_host * cfg.num_hidden_layers / GiB,
+                                 bound_ms=bound * 1e3, hbm_gb_per_step=hbm / 1e9,
+                                 pcie_gb_per_step=pcie / 1e9))  # fmt: skip
                 del cache
                 free(device)
-                break
-            hr = hit_rate(cache)
-            bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
-            run.rec.add(dict(context=length, method="yakv", value_format="higgs4 k+v", fill="synthetic", batch=batch,
-                             h_target=args.yakv_h, hit_rate=hr, tok_s=batch / step, step_ms=step * 1e3, **peaks(device),
-                             host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
-                             hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9))  # fmt: skip
-            del cache
-            free(device)
+
+
+def yakv_label(share: float) -> str:
+    """The value-format column of a YAKV row: its records, and the share mirrored on the GPU if any."""
+    return "higgs4 k+v" if not share else f"higgs4 k+v, {share:g} on GPU"
 
 
 def generate_runs(run: Run, blocks: list[torch.Tensor] | None) -> None:

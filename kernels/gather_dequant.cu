@@ -2,7 +2,8 @@
 // (row, head, token) record straight from the pinned host store through its device-visible address and writes
 // the token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
 // With a `fetch` mask it refreshes held slots in place (YAKV's token reuse): only flagged slots are read and
-// written, so only the tokens missed since the previous step cross PCIe.
+// written, so only the tokens missed since the previous step cross PCIe. Tokens below N' are read from the store's
+// device mirror instead (a copy of each row's first N' records in GPU memory): the same bytes at HBM speed.
 // Twin: shadowkv_cache/ops/gather_dequant.py (`gather_dequant_reference`, `gather_dequant_missed_reference`).
 //
 // Legend: B batch, Hkv KV heads, K selected tokens per head, N stored tokens, D head dim, p grid dim,
@@ -24,14 +25,18 @@
 /// \param fetch         [B, Hkv, K] bool slots to fetch, or null for all of them
 /// \param host          pinned records [R, Hkv, N, E], device-visible pointer; record (r, h, t) at
 ///                      r*row_stride + h*head_stride + t*E bytes
+/// \param mirror        [R, Hkv, N', E] device copy of the records of tokens < N' (null when N' = 0); record
+///                      (r, h, t) at r*mirror_row_stride + h*mirror_head_stride + t*E bytes
 /// \param row_map       [B] int64 stored row behind each cache row
 /// \param total         B*Hkv*K
-/// \param vec4          1 when `host`, both strides and E are multiples of 4 (4-byte loads)
+/// \param vec4          1 when `host`, `mirror`, their strides and E are multiples of 4 (4-byte loads)
 /// \param grid          [256, p] float32 grid points; \param signs [D] float32 (+-1), on the device
 /// Launch: grid ceil(total / 8), block 256 threads.
 template <typename T, int EPL>
 __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids, const bool* fetch,
-                                                    const unsigned char* host, const long long* row_map,
+                                                    const unsigned char* host, const unsigned char* mirror,
+                                                    long long mirrored, long long mirror_row_stride,
+                                                    long long mirror_head_stride, const long long* row_map,
                                                     long long row_stride, long long head_stride, int Hkv, int K,
                                                     long long total, int D, int p, int E, int vec4,
                                                     const float* grid, const float* signs) {
@@ -41,7 +46,10 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
     if (slot >= total) return;  // uniform over the warp
     if (fetch != nullptr && !fetch[slot]) return;  // a held token: its key and value are already in place
     const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
-    const unsigned char* src = host + row_map[row] * row_stride + head * head_stride + ids[slot] * (long long)E;
+    const long long stored = row_map[row], token = ids[slot];
+    const unsigned char* src = token < mirrored
+                                   ? mirror + stored * mirror_row_stride + head * mirror_head_stride + token * E
+                                   : host + stored * row_stride + head * head_stride + token * (long long)E;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(rec[warp]);
     // Every load of the record is issued before any is used: one PCIe round trip per record, where a loop that stored
     // each word before loading the next made two for a record of more than 32 words (132 bytes at D = 128).
@@ -90,10 +98,12 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
 #define GATHER_DEQUANT(T, SUFFIX, EPL)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) gather_dequant_##SUFFIX##_e##EPL(                          \
         T* keys, T* values, const long long* ids, const bool* fetch, const unsigned char* host,                  \
-        const long long* row_map, long long row_stride, long long head_stride, int Hkv, int K, long long total,  \
-        int D, int p, int E, int vec4, const float* grid, const float* signs) {                                  \
-        gather_dequant_impl<T, EPL>(keys, values, ids, fetch, host, row_map, row_stride, head_stride, Hkv, K,    \
-                                    total, D, p, E, vec4, grid, signs);                                          \
+        const unsigned char* mirror, long long mirrored, long long mirror_row_stride,                            \
+        long long mirror_head_stride, const long long* row_map, long long row_stride, long long head_stride,      \
+        int Hkv, int K, long long total, int D, int p, int E, int vec4, const float* grid, const float* signs) { \
+        gather_dequant_impl<T, EPL>(keys, values, ids, fetch, host, mirror, mirrored, mirror_row_stride,          \
+                                    mirror_head_stride, row_map, row_stride, head_stride, Hkv, K, total, D, p, E, \
+                                    vec4, grid, signs);                                                          \
     }
 #define GATHER_DEQUANT_ALL(T, SUFFIX)                                                                             \
     GATHER_DEQUANT(T, SUFFIX, 1) GATHER_DEQUANT(T, SUFFIX, 2) GATHER_DEQUANT(T, SUFFIX, 4)                       \

@@ -49,12 +49,16 @@ BAD_VALUES = [
     ({"auto_rank_shift": -0.1}, "auto_rank_shift"),
     ({"auto_rank_shift": float("inf")}, "auto_rank_shift"),
     ({"auto_rank_shift": "0.2"}, "auto_rank_shift"),
+    ({"device_record_share": 0.5}, "device_record_share"),  # ShadowKV mode has no records to mirror
+    ({"mode": "yakv", "device_record_share": 1.5}, "device_record_share"),
+    ({"mode": "yakv", "device_record_share": -0.1}, "device_record_share"),
+    ({"mode": "yakv", "device_record_share": "half"}, "device_record_share"),
+    ({"mode": "yakv", "device_record_share": True}, "device_record_share"),
 ]
 
 
 def ids_of(case):
-    ((name, value),) = case[0].items()
-    return f"{name}={value!r}"
+    return ",".join(f"{name}={value!r}" for name, value in case[0].items())
 
 
 @pytest.fixture

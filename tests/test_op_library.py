@@ -119,13 +119,15 @@ def _records(device, g, rows=2, heads=2, num=30):
 
 def _gather_dequant(device, g, some=True):
     store = _records(device, g)
+    mirror = store.data[:, :, :12].to(device)  # a mirror of each row's first 12 tokens (read by the twin too)
     ids = torch.randint(0, 30, (2, 2, 9), generator=g).to(device)
     fetch = (torch.rand(2, 2, 9, generator=g) < 0.5).to(device) if some else None  # None: every slot
     keys, values = (torch.zeros(2, 2, 9, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
     grid, signs = QUANTIZER.device_tables(device)
     address = store.device_pointer(device) if device.type == "cuda" else 0
     row_map = store.device_row_map(device)
-    return keys, values, ids, fetch, store.data, address, row_map, grid, signs, QUANTIZER.grid_dim, QUANTIZER.seed
+    grid_dim, seed = QUANTIZER.grid_dim, QUANTIZER.seed
+    return keys, values, ids, fetch, store.data, address, mirror, row_map, grid, signs, grid_dim, seed
 
 
 def _rebuild(device, g, rotary=48, interleaved=False, shared=False):
@@ -355,9 +357,10 @@ def test_cpu_implementations_are_the_twins():
     torch.testing.assert_close(op("code_scores")(rotated, codes, norms, selectable, grid, scaling, False), want)
 
     args = sample("gather_dequant", "cpu")
-    keys, values, ids, fetch, data, _, row_map = args[:7]
+    keys, values, ids, fetch, data, _, mirror, row_map = args[:8]
     op("gather_dequant")(*args)
-    want_keys, want_values = gather_dequant_reference(QuantizedKVStore(data, row_map), ids, QUANTIZER, keys.dtype)
+    store = QuantizedKVStore(data, row_map, mirror)
+    want_keys, want_values = gather_dequant_reference(store, ids, QUANTIZER, keys.dtype)
     assert torch.equal(keys[fetch], want_keys[fetch]) and torch.equal(values[fetch], want_values[fetch])
     assert not keys[~fetch].any() and not values[~fetch].any()
 

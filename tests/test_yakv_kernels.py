@@ -129,6 +129,44 @@ def test_gather_dequant_missed_kernel_matches_twin(dtype, rows, heads, num, k, d
     assert keys[~missed].eq(5.0).all() and values[~missed].eq(-5.0).all()
 
 
+@pytest.mark.parametrize("mirrored", [0, 1, 150, 311])
+def test_gather_dequant_kernel_reads_mirrored_tokens_from_the_mirror(mirrored):
+    """Tokens below N' come from the device mirror, the others from the host: a mirror of other records (never the
+    case in a cache, where it is a copy) shows which one each slot read, for every slot and for the refresh."""
+    torch.manual_seed(3)
+    quantizer = HiggsQuantizer(128, 2)
+    store, other = pinned_store(3, 8, 311, quantizer), pinned_store(3, 8, 311, quantizer)
+    mirror = other.data[:, :, :mirrored].to(CUDA) if mirrored else None
+    mixed = QuantizedKVStore(store.data, store.stored_rows, mirror).select_rows(torch.tensor([2, 0, 2]))
+    ids = torch.randint(0, 311, (3, 8, 256), device=CUDA)
+    got_keys, got_values = gather_dequant(mixed, ids, quantizer, torch.bfloat16)
+    want_keys, want_values = gather_dequant_reference(mixed, ids, quantizer, torch.bfloat16)
+    assert_dequantised_close(got_keys, want_keys)
+    assert_dequantised_close(got_values, want_values)
+    near = (ids < mirrored)[..., None]
+    host_keys, _ = gather_dequant(store.select_rows(torch.tensor([2, 0, 2])), ids, quantizer, torch.bfloat16)
+    from_other, _ = gather_dequant(other.select_rows(torch.tensor([2, 0, 2])), ids, quantizer, torch.bfloat16)
+    assert torch.equal(got_keys, torch.where(near, from_other, host_keys))
+    missed = torch.rand(3, 8, 256, device=CUDA) < 0.5
+    keys, values = torch.zeros_like(got_keys), torch.zeros_like(got_values)
+    gather_dequant_missed(mixed, ids, missed, quantizer, keys, values)
+    assert torch.equal(keys[missed], got_keys[missed]) and not keys[~missed].any()
+
+
+def test_a_mirrored_yakv_cache_decodes_as_an_unmirrored_one():
+    """`device_record_share` changes where records are read, not what is read: the same tokens and logits."""
+    model = make_tiny_model("llama").to(CUDA, torch.bfloat16)
+    prompt = random_prompt(300, batch=2).to(CUDA)
+    options = dict(mode="yakv", min_compress_len=64, sparse_budget=24)
+    plain = generate_with(model, prompt, ShadowKVCache(model, **options), max_new_tokens=12)
+    cache = ShadowKVCache(model, **options, device_record_share=0.5)
+    mirrored = generate_with(model, prompt, cache, max_new_tokens=12)
+    assert torch.equal(plain.sequences, mirrored.sequences)
+    torch.testing.assert_close(torch.stack(plain.logits), torch.stack(mirrored.logits), rtol=0, atol=0)
+    store = cache.layers[0].prompt.store
+    assert store.mirrored_tokens == store.data.shape[2] // 2 and store.mirror.device.type == "cuda"
+
+
 def test_gather_dequant_kernel_handles_an_empty_selection():
     quantizer = HiggsQuantizer(64, 2)
     store = pinned_store(2, 2, 10, quantizer)

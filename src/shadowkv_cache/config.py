@@ -104,6 +104,11 @@ class ShadowKVConfig:
             YAKV: grid dimension of the device copy of the keys that scores every token (4 -> ~2 bits).
         recent_window (`int`, *optional*, defaults to 64):
             YAKV: last prompt tokens kept exact on the device.
+        device_record_share (`float`, *optional*, defaults to 0.0):
+            YAKV: share of each row's quantised tokens (its first ones) whose host records are also kept in GPU
+            memory, in [0, 1]. A step then reads those records at HBM speed and only the rest cross PCIe: for a
+            GPU with memory to spare beside the batch (each mirrored token costs `2*D/host_grid_dim + 4` bytes per
+            KV head and layer). Changes no result. May change at `load_prefix`.
         auto_rank_error (`float`, *optional*, defaults to 0.075):
             `rank="auto"`: the relative error of the attention logits (the prompt's last queries against keys
             rebuilt from the factors, logits centred) that each layer's rank must stay within. Lower keeps more rank
@@ -133,6 +138,7 @@ class ShadowKVConfig:
     host_grid_dim: int = 2
     score_grid_dim: int = 4
     recent_window: int = 64
+    device_record_share: float = 0.0
     auto_rank_error: float = 0.075
     auto_rank_shift: float = 0.2
 
@@ -200,6 +206,11 @@ class ShadowKVConfig:
             raise bad("auto_rank_shift", self.auto_rank_shift, "use a positive number of nats (the default is 0.2).")
         if not isinstance(self.recent_window, int) or isinstance(self.recent_window, bool) or self.recent_window < 0:
             raise bad("recent_window", self.recent_window, "use an int >= 0 (the YAKV study uses 64).")
+        share = self.device_record_share
+        if not _is_number(share) or not 0 <= share <= 1:
+            raise bad("device_record_share", share, "use a share of the prompt's tokens in [0, 1] (0: none mirrored).")
+        if self.mode != "yakv" and share:
+            raise bad("device_record_share", share, "it mirrors YAKV's host records on the GPU: use mode='yakv', or 0.")
         if self.mode == "yakv":
             if self.rank not in (None, *RANK_RULES):
                 raise bad("rank", self.rank, "YAKV mode has no low-rank keys; leave it at its default.")

@@ -6,7 +6,8 @@ Legend: B batch, Hkv KV heads, K selected tokens per head, N stored tokens, E re
 the ids there: one synchronisation per call on CUDA), copies the records to the device and dequantises them.
 On CUDA with a pinned store, `kernels/gather_dequant.cu` reads each selected record in place through its
 device-visible address (zero copy, ids stay on the device, no synchronisation) and decodes it on the way:
-only the ~4-bit records cross PCIe.
+only the ~4-bit records cross PCIe. Tokens a device mirror holds (`QuantizedKVStore.mirror`) are read from it
+instead, at HBM speed.
 
 `gather_dequant_missed` refreshes a layer's held tokens in place (YAKV's token reuse, design.md §4): only the slots
 flagged as missed by the temporal scan are read and written, so a step moves the records of its new tokens alone.
@@ -41,16 +42,8 @@ _WARPS = 8  # records per block
 def gather_records(store: QuantizedKVStore, ids: torch.Tensor) -> torch.Tensor:
     """Records `[B, Hkv, K, E]` on `ids.device` of the tokens `ids` (`[B, Hkv, K]` int64, `< N`)."""
     batch, heads, _ = ids.shape
-    host_ids = ids.to("cpu")
     rows = store.row_map[:batch, None, None]
-    return _to_device(store.data[rows, torch.arange(heads)[None, :, None], host_ids], ids.device)
-
-
-def _to_device(records: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Records gathered on the host, copied to `device` (through pinned memory to a GPU)."""
-    if device.type == "cuda":
-        return records.pin_memory().to(device, non_blocking=True)
-    return records.to(device)
+    return store.read(rows, torch.arange(heads)[None, :, None], ids.to("cpu"), ids.device)
 
 
 def dequant_records(
@@ -81,7 +74,7 @@ def gather_dequant_missed_reference(
     rows, heads, slots = (i.to("cpu") for i in missed.nonzero(as_tuple=True))
     if not len(rows):
         return
-    records = _to_device(store.data[store.row_map[rows], heads, ids.to("cpu")[rows, heads, slots]], keys.device)
+    records = store.read(store.row_map[rows], heads, ids.to("cpu")[rows, heads, slots], keys.device)
     fresh_keys, fresh_values = dequant_records(records, quantizer, keys.dtype)
     keys[rows, heads, slots] = fresh_keys
     values[rows, heads, slots] = fresh_values
@@ -135,13 +128,15 @@ def _launch(
         return
     grid, signs = quantizer.device_tables(ids.device)
     gather_dequant_op(
-        keys, values, ids.contiguous(), fetch, store.data, store.device_pointer(ids.device),
+        keys, values, ids.contiguous(), fetch, store.data, store.device_pointer(ids.device), store.mirror,
         store.device_row_map(ids.device), grid, signs, quantizer.grid_dim, quantizer.seed,
     )  # fmt: skip
 
 
-def _gather_dequant_twin(keys, values, ids, fetch, data, data_address, row_map, grid, signs, grid_dim, seed) -> None:
-    store = QuantizedKVStore(data, row_map.cpu())
+def _gather_dequant_twin(
+    keys, values, ids, fetch, data, data_address, mirror, row_map, grid, signs, grid_dim, seed
+) -> None:
+    store = QuantizedKVStore(data, row_map.cpu(), mirror)
     quantizer = higgs_quantizer(keys.shape[-1], grid_dim, seed)
     check_tables(quantizer, grid, signs)
     if fetch is None:
@@ -151,7 +146,7 @@ def _gather_dequant_twin(keys, values, ids, fetch, data, data_address, row_map, 
 
 @define_op(
     "gather_dequant(Tensor(a!) keys, Tensor(b!) values, Tensor ids, Tensor? fetch, Tensor data, int data_address, "
-    "Tensor row_map, Tensor grid, Tensor signs, int grid_dim, int seed) -> ()",
+    "Tensor? mirror, Tensor row_map, Tensor grid, Tensor signs, int grid_dim, int seed) -> ()",
     cpu=_gather_dequant_twin,
     fake=lambda *args: None,
 )
@@ -162,6 +157,7 @@ def gather_dequant_op(
     fetch: torch.Tensor | None,
     data: torch.Tensor,
     data_address: int,
+    mirror: torch.Tensor | None,
     row_map: torch.Tensor,
     grid: torch.Tensor,
     signs: torch.Tensor,
@@ -171,13 +167,19 @@ def gather_dequant_op(
     """`torch.ops.shadowkv.gather_dequant`: writes into `keys` and `values` (`[B, Hkv, K, D]`, contiguous) the
     dequantised records `data[row_map[b], h, ids[b, h, k]]` of every slot, or of those flagged in `fetch`; `data`
     `[R, Hkv, N, E]` pinned host records, read at `data_address` (its device-visible address, cached by the
-    store); `row_map` `[B]` int64 on the device; `grid`, `signs` the quantiser's `device_tables`, which
+    store); `mirror` `[R, Hkv, N', E]` on the device, a copy of `data[:, :, :N']` read for tokens below N' (or
+    None); `row_map` `[B]` int64 on the device; `grid`, `signs` the quantiser's `device_tables`, which
     `(grid_dim, seed)` name for the twin."""
     batch, heads, k = ids.shape
     total = batch * heads * k
     dim = keys.shape[-1]
     record = data.shape[-1]
     row_stride, head_stride = data.stride(0), data.stride(1)  # bytes: uint8
+    near = mirror if mirror is not None and mirror.shape[2] else None
+    near_strides = (near.stride(0), near.stride(1)) if near is not None else (0, 0)
+    aligned = [data_address, row_stride, head_stride, record, *near_strides]
+    if near is not None:
+        aligned.append(near.data_ptr())
     per_lane = max(1, dim // 32)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     load_kernels("gather_dequant", ids.device).launch(
@@ -190,6 +192,10 @@ def gather_dequant_op(
             ids,
             fetch if fetch is not None else (0, ctypes.c_void_p),
             (data_address, ctypes.c_void_p),
+            near if near is not None else (0, ctypes.c_void_p),
+            (near.shape[2] if near is not None else 0, i64),
+            (near_strides[0], i64),
+            (near_strides[1], i64),
             row_map,
             (row_stride, i64),
             (head_stride, i64),
@@ -199,7 +205,7 @@ def gather_dequant_op(
             (dim, i32),
             (grid_dim, i32),
             (record, i32),
-            (int(all(x % 4 == 0 for x in (data_address, row_stride, head_stride, record))), i32),
+            (int(all(x % 4 == 0 for x in aligned)), i32),
             grid,
             signs,
         ],
@@ -207,14 +213,16 @@ def gather_dequant_op(
 
 
 def _kernel_fits(store: QuantizedKVStore, ids: torch.Tensor, quantizer: HiggsQuantizer, dtype: torch.dtype) -> bool:
-    """Whether the kernel handles this fetch (CUDA, pinned store with token-major records, D <= 256)."""
-    data = store.data
+    """Whether the kernel handles this fetch (CUDA, pinned store with token-major records, a mirror, if any, on the
+    same device, D <= 256)."""
+    data, mirror = store.data, store.mirror
     return (
         kernels_available(ids.device)
         and dtype in _KERNEL_DTYPES
         and ids.dtype == torch.int64
         and data.is_pinned()
         and data.stride()[2:] == (data.shape[-1], 1)
+        and (mirror is None or (mirror.device == ids.device and mirror.stride()[2:] == (mirror.shape[-1], 1)))
         and data.shape[-1] == record_bytes(quantizer.num_subvectors)
         and quantizer.head_dim <= _MAX_DIM
         and len(store.row_map) >= ids.shape[0]

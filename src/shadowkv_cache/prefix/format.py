@@ -65,10 +65,17 @@ OLDER_VERSIONS = {
 }
 METADATA_KEY = "shadowkv_prefix"
 # Fields that only matter at decode time: a loaded prefix may change them. Every other field shaped the state.
-DECODE_TIME_FIELDS = ("sparse_budget", "dense_multi_token_steps", "pin_memory", "cuda_graphs", "compile_model_ops")
+DECODE_TIME_FIELDS = (
+    "sparse_budget",
+    "dense_multi_token_steps",
+    "pin_memory",
+    "cuda_graphs",
+    "compile_model_ops",
+    "device_record_share",
+)
 # Decode-time fields added after files of this version were first written: a file without one was made with its
 # default.
-ADDED_DECODE_TIME_FIELDS = ("compile_model_ops",)
+ADDED_DECODE_TIME_FIELDS = ("compile_model_ops", "device_record_share")
 
 
 # A writer's temporary file: `.<target name>.<pid>.<16 hex>.shadowkv-tmp` beside the target (see `_remove_stale`).

@@ -207,7 +207,7 @@ def read_layer(
             local_keys=tensors[p + "local_keys"].to(device, copy=True),
             local_values=tensors[p + "local_values"].to(device, copy=True),
             local_valid=tensors[p + "local_valid"].to(device, copy=True),
-            store=QuantizedKVStore.from_records(tensors[p + "host_records"], pin, device),
+            store=QuantizedKVStore.from_records(tensors[p + "host_records"], pin, device, config.device_record_share),
             slots=length,
             max_budget_tokens=budget,
         )

@@ -170,6 +170,13 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, what: 
         ) from err
 
 
+def host_to_device(block: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`block` (host memory, e.g. gathered rows) on `device`: through pinned memory to a GPU, asynchronously."""
+    if device.type == "cuda":
+        return block.pin_memory().to(device, non_blocking=True)
+    return block.to(device)
+
+
 def host_copy(tensor: torch.Tensor, pin: bool, what: str) -> torch.Tensor:
     """A host copy of `tensor` (any device), pinned from the pool if `pin` (`what` names it in errors)."""
     if not pin:

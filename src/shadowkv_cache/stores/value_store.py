@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .pinned_pool import host_copy, pinned_empty
+from .pinned_pool import host_copy, host_to_device, pinned_empty
 from .row_map import RowMap
 from .value_codecs import NativeCodec, ValueCodec, value_codec
 
@@ -173,8 +173,8 @@ class HostValueStore:
         # PyTorch path: index on the host, copy the encoded blocks, decode there. The kernels read in place.
         rows, heads, chunks = rows.to("cpu"), heads.to("cpu"), chunks.to("cpu")
         index = (self.row_map[rows], heads, chunks)
-        payload = _to_device(self.data[index], device)
-        scales = _to_device(self.scales[index], device) if self.scales is not None else None
+        payload = host_to_device(self.data[index], device)
+        scales = host_to_device(self.scales[index], device) if self.scales is not None else None
         return self.codec.decode(payload, scales, dtype or self.data.dtype)
 
     def read_rows(self, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -190,9 +190,3 @@ class HostValueStore:
         payload = take(self.data).to(device, non_blocking=True)
         scales = take(self.scales).to(device, non_blocking=True) if self.scales is not None else None
         return self.codec.decode(payload, scales, dtype).flatten(2, 3)
-
-
-def _to_device(block: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return block.pin_memory().to(device, non_blocking=True)
-    return block.to(device)

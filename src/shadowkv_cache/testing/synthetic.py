@@ -28,7 +28,7 @@ from ..placement import attention_devices
 from ..policies import LandmarkTopK, QuantizedKeyTopK, SelectionPolicy
 from ..shadowkv.prompt import CompressedPrompt
 from ..stores.pinned_pool import pinned_pool, use_huge_pages
-from ..stores.quantized_store import QuantizedKVStore, record_bytes
+from ..stores.quantized_store import QuantizedKVStore, mirrored_tokens, record_bytes
 from ..stores.value_codecs import value_codec
 from ..stores.value_store import HostValueStore
 from ..yakv.prompt import QuantizedPrompt
@@ -51,6 +51,8 @@ class LayerSizes:
             (ShadowKV), or key and value records (YAKV).
         value_bits (`float` or `None`): ShadowKV: host bits per stored value, scales included.
         record_bytes (`int` or `None`): YAKV: E, bytes of one (head, token) record.
+        mirrored_tokens (`int`): YAKV: tokens per head whose records a GPU mirror also holds (`device_record_share`
+            of `resolved.num_chunks`).
     """
 
     mode: str
@@ -60,6 +62,7 @@ class LayerSizes:
     host_bytes_per_row: int
     value_bits: float | None
     record_bytes: int | None
+    mirrored_tokens: int = 0
 
 
 def layer_sizes(model, config: ShadowKVConfig, context: int, dtype: torch.dtype | None = None) -> LayerSizes:
@@ -69,7 +72,9 @@ def layer_sizes(model, config: ShadowKVConfig, context: int, dtype: torch.dtype 
     resolved = config.resolve(context, heads * dim)
     if config.mode == "yakv":
         record = record_bytes(dim // config.host_grid_dim)
-        return LayerSizes("yakv", heads, dim, resolved, resolved.num_chunks * heads * record, None, record)
+        host = resolved.num_chunks * heads * record
+        mirrored = mirrored_tokens(config.device_record_share, resolved.num_chunks)
+        return LayerSizes("yakv", heads, dim, resolved, host, None, record, mirrored)
     bits = value_codec(config.value_format, dim).bits_per_value(dtype or model.dtype)
     host = math.ceil(resolved.num_chunks * config.chunk_size * heads * dim * bits / 8)
     return LayerSizes("shadowkv", heads, dim, resolved, host, bits, None)
@@ -270,7 +275,7 @@ def _yakv_layer(cache, sizes: LayerSizes, batch, stored, context, device, dtype,
     data = host.take((stored, hkv, n, e), torch.uint8)
     for r in range(stored):
         data[r].copy_(one_row.roll(r, dims=1))
-    store = QuantizedKVStore(data, _rows_map(batch, stored))
+    store = QuantizedKVStore(data, _rows_map(batch, stored)).with_mirror(cache.config.device_record_share, device)
     store.device_row_map(device)  # copied now, not in a timed step
     return QuantizedPrompt(
         policy_state={

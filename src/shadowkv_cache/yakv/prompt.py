@@ -39,7 +39,7 @@ class QuantizedPrompt:
     local_keys: torch.Tensor  # [B, Hkv, W, D] post-RoPE, right-aligned
     local_values: torch.Tensor  # [B, Hkv, W, D]
     local_valid: torch.Tensor  # [B, W] bool
-    store: QuantizedKVStore  # [rows, Hkv, N, E] in host memory
+    store: QuantizedKVStore  # [rows, Hkv, N, E] in host memory (and its first tokens' on the device if mirrored)
     slots: int  # S: prompt length as `generate` counts it, pads included
     max_budget_tokens: int  # K = max over rows of budget_tokens
 
@@ -123,8 +123,9 @@ class QuantizedPrompt:
 
     @property
     def device_nbytes(self) -> int:
-        """Bytes held on the device; rows shared through a stride-0 view count once."""
-        return stored_once_nbytes([*(getattr(self, name) for name in self.ROW_FIELDS), *self.policy_state.values()])
+        """Bytes held on the device (the records' mirror included); rows shared through a stride-0 view count once."""
+        tensors = [*(getattr(self, name) for name in self.ROW_FIELDS), *self.policy_state.values()]
+        return stored_once_nbytes(tensors) + self.store.mirror_nbytes
 
     @property
     def num_real_tokens(self) -> int:
@@ -189,7 +190,9 @@ def quantize_prompt(
         local_keys=local_keys,
         local_values=local_values,
         local_valid=local_valid,
-        store=QuantizedKVStore.offload(records, pin=config.pin_memory and device.type == "cuda"),
+        store=QuantizedKVStore.offload(
+            records, pin=config.pin_memory and device.type == "cuda", mirror_share=config.device_record_share
+        ),
         slots=slots,
         max_budget_tokens=max(s.budget_chunks for s in sizes),
     )
