@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.model_shapes import LLAMA_3_1_8B, TINY
 from shadowkv_cache import ShadowKVCache
-from shadowkv_cache.ops import attend_parts, gather_values, landmark_logits, rebuild_missed
+from shadowkv_cache.ops import attend_parts, gather_dequant, gather_values, landmark_logits, rebuild_missed
 from shadowkv_cache.placement import attention_devices
 from shadowkv_cache.testing import reset_hit_counts
 
@@ -39,6 +39,9 @@ def add_kernel_grid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native-landmark-rows", type=int, default=None,
                    help="batch x KV heads up to which bf16 landmark logits take the kernel rather than cuBLAS "
                         "(NATIVE_KERNEL_MAX_ROWS in ops/landmark_logits.py; 0: cuBLAS always)")  # fmt: skip
+    p.add_argument("--gather-records", type=int, default=None,
+                   help="YAKV's record fetch: slots per warp whose loads are issued together (RECORDS_PER_WARP in "
+                        "ops/gather_dequant.py)")  # fmt: skip
     p.add_argument("--rebuild-grid", choices=("capped", "full"), default=None,
                    help="the key rebuild's grid: capped at the blocks resident at once (the default) or one block per "
                         "(row, head) (CAP_GRID in ops/rebuild_missed.py)")  # fmt: skip
@@ -60,6 +63,10 @@ def apply_kernel_grid_options(p: argparse.ArgumentParser, args: argparse.Namespa
         landmark_logits.NATIVE_KERNEL_MAX_ROWS = args.native_landmark_rows
     if args.rebuild_grid is not None:
         rebuild_missed.CAP_GRID = args.rebuild_grid == "capped"
+    if args.gather_records is not None:
+        if not 1 <= args.gather_records <= 16:
+            p.error(f"--gather-records must be in [1, 16], got {args.gather_records}")
+        gather_dequant.RECORDS_PER_WARP = args.gather_records
 
 
 def log(*args) -> None:

@@ -1,6 +1,6 @@
-// Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (design.md §4): each warp reads one
-// (row, head, token) record straight from the pinned host store through its device-visible address and writes
-// the token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
+// Zero-copy gather and dequantisation of the tokens a YAKV decode step selected (design.md §4): each warp reads a few
+// (row, head, token) records straight from the pinned host store through its device-visible address and writes
+// each token's key and value in the KV dtype. The ids stay on the device, so the step never waits for the host.
 // With a `fetch` mask it refreshes held slots in place (YAKV's token reuse): only flagged slots are read and
 // written, so only the tokens missed since the previous step cross PCIe. Tokens below N' are read from the store's
 // device mirror instead (a copy of each row's first N' records in GPU memory): the same bytes at HBM speed.
@@ -15,10 +15,14 @@
 // each) and the sign flip of each coordinate.
 #include "common.cuh"
 
-#define GD_WARPS 8                               // records per block of 256 threads
+#define GD_WARPS 8                               // warps per block of 256 threads
+#ifndef GD_RECORDS
+#define GD_RECORDS 4                             // consecutive slots per warp (ops/gather_dequant.py RECORDS_PER_WARP)
+#endif
 #define GD_MAX_WORDS 65                          // (D + 4) / 4 at D = 256, p = 2: the largest record
 
-/// \brief One warp per selected (row, head, token): read its record in place, write its key and value.
+/// \brief Each warp takes GD_RECORDS consecutive slots: it issues the loads of every record it fetches before it
+/// decodes the first, then writes each token's key and value.
 ///
 /// \param keys, values  [B, Hkv, K, D] T, out
 /// \param ids           [B, Hkv, K] int64 token of each slot (< N; not read where `fetch` is 0)
@@ -31,7 +35,7 @@
 /// \param total         B*Hkv*K
 /// \param vec4          1 when `host`, `mirror`, their strides and E are multiples of 4 (4-byte loads)
 /// \param grid          [256, p] float32 grid points; \param signs [D] float32 (+-1), on the device
-/// Launch: grid ceil(total / 8), block 256 threads.
+/// Launch: grid ceil(total / (8 * GD_RECORDS)), block 256 threads.
 template <typename T, int EPL>
 __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const long long* ids, const bool* fetch,
                                                     const unsigned char* host, const unsigned char* mirror,
@@ -40,58 +44,76 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
                                                     long long row_stride, long long head_stride, int Hkv, int K,
                                                     long long total, int D, int p, int E, int vec4,
                                                     const float* grid, const float* signs) {
+    constexpr int NW = (GD_MAX_WORDS + 31) / 32;  // words per lane of the largest record
     __shared__ unsigned int rec[GD_WARPS][GD_MAX_WORDS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long slot = (long long)blockIdx.x * GD_WARPS + warp;
-    if (slot >= total) return;  // uniform over the warp
-    if (fetch != nullptr && !fetch[slot]) return;  // a held token: its key and value are already in place
-    const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
-    const long long stored = row_map[row], token = ids[slot];
-    const unsigned char* src = token < mirrored
-                                   ? mirror + stored * mirror_row_stride + head * mirror_head_stride + token * E
-                                   : host + stored * row_stride + head * head_stride + token * (long long)E;
-    unsigned char* bytes = reinterpret_cast<unsigned char*>(rec[warp]);
-    // Every load of the record is issued before any is used: one PCIe round trip per record, where a loop that stored
-    // each word before loading the next made two for a record of more than 32 words (132 bytes at D = 128).
-    if (vec4) {
-        const unsigned int* words = reinterpret_cast<const unsigned int*>(src);
-        const int n = E >> 2;
-        unsigned int w[(GD_MAX_WORDS + 31) / 32];
+    const long long first = ((long long)blockIdx.x * GD_WARPS + warp) * GD_RECORDS;
+    const int n = E >> 2;
+    // Every load of every record the warp fetches is issued before any is used: one memory round trip per warp and
+    // GD_RECORDS records rather than per record. A round trip over PCIe is microseconds, so with one record per warp
+    // a step whose records come mostly from the device mirror waited on round trips, not bytes.
+    const unsigned char* src[GD_RECORDS];
+    bool live[GD_RECORDS];
+    unsigned w[GD_RECORDS][NW];
 #pragma unroll
-        for (int i = 0; i < (GD_MAX_WORDS + 31) / 32; ++i) w[i] = lane + 32 * i < n ? words[lane + 32 * i] : 0u;
+    for (int r = 0; r < GD_RECORDS; ++r) {
+        const long long slot = first + r;
+        live[r] = slot < total && (fetch == nullptr || fetch[slot]);  // uniform over the warp
+        src[r] = nullptr;
+        if (live[r]) {
+            const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
+            const long long stored = row_map[row], token = ids[slot];
+            src[r] = token < mirrored
+                         ? mirror + stored * mirror_row_stride + head * mirror_head_stride + token * E
+                         : host + stored * row_stride + head * head_stride + token * (long long)E;
+        }
 #pragma unroll
-        for (int i = 0; i < (GD_MAX_WORDS + 31) / 32; ++i)
-            if (lane + 32 * i < n) rec[warp][lane + 32 * i] = w[i];
-    } else {
-        for (int b = lane; b < E; b += 32) bytes[b] = src[b];
+        for (int i = 0; i < NW; ++i)
+            w[r][i] = live[r] && vec4 && lane + 32 * i < n ? reinterpret_cast<const unsigned int*>(src[r])[lane + 32 * i]
+                                                           : 0u;
     }
-    __syncwarp();
 
     const int lanes = D < 32 ? D : 32, m = D / p;
-    float k[EPL], v[EPL];
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(rec[warp]);
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-        const int c = lane * EPL + j;
-        if (lane < lanes) {
-            const int sub = c / p, comp = c - sub * p;
-            k[j] = __ldg(grid + bytes[4 + sub] * p + comp);
-            v[j] = __ldg(grid + bytes[4 + m + sub] * p + comp);
+    for (int r = 0; r < GD_RECORDS; ++r) {
+        if (!live[r]) continue;  // a held token (its key and value are already in place) or past the end
+        __syncwarp();  // the previous record's bytes are read by every lane
+        if (vec4) {
+#pragma unroll
+            for (int i = 0; i < NW; ++i)
+                if (lane + 32 * i < n) rec[warp][lane + 32 * i] = w[r][i];
         } else {
-            k[j] = v[j] = 0.f;
+            for (int b = lane; b < E; b += 32) reinterpret_cast<unsigned char*>(rec[warp])[b] = src[r][b];
         }
-    }
-    warp_hadamard<EPL>(k, lanes);
-    warp_hadamard<EPL>(v, lanes);
-    if (lane >= lanes) return;
-    const float k_scale = to_f32(f16{(unsigned short)(rec[warp][0] & 0xffffu)}) / (float)D;
-    const float v_scale = to_f32(f16{(unsigned short)(rec[warp][0] >> 16)}) / (float)D;
-    T* kd = keys + slot * D + lane * EPL;
-    T* vd = values + slot * D + lane * EPL;
+        __syncwarp();
+        float k[EPL], v[EPL];
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-        const float s = __ldg(signs + lane * EPL + j);
-        kd[j] = from_f32<T>(k[j] * k_scale * s);
-        vd[j] = from_f32<T>(v[j] * v_scale * s);
+        for (int j = 0; j < EPL; ++j) {
+            const int c = lane * EPL + j;
+            if (lane < lanes) {
+                const int sub = c / p, comp = c - sub * p;
+                k[j] = __ldg(grid + bytes[4 + sub] * p + comp);
+                v[j] = __ldg(grid + bytes[4 + m + sub] * p + comp);
+            } else {
+                k[j] = v[j] = 0.f;
+            }
+        }
+        warp_hadamard<EPL>(k, lanes);
+        warp_hadamard<EPL>(v, lanes);
+        if (lane < lanes) {
+            const float k_scale = to_f32(f16{(unsigned short)(rec[warp][0] & 0xffffu)}) / (float)D;
+            const float v_scale = to_f32(f16{(unsigned short)(rec[warp][0] >> 16)}) / (float)D;
+            const long long slot = first + r;
+            T* kd = keys + slot * D + lane * EPL;
+            T* vd = values + slot * D + lane * EPL;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) {
+                const float s = __ldg(signs + lane * EPL + j);
+                kd[j] = from_f32<T>(k[j] * k_scale * s);
+                vd[j] = from_f32<T>(v[j] * v_scale * s);
+            }
+        }
     }
 }
 

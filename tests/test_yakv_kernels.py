@@ -129,10 +129,13 @@ def test_gather_dequant_missed_kernel_matches_twin(dtype, rows, heads, num, k, d
     assert keys[~missed].eq(5.0).all() and values[~missed].eq(-5.0).all()
 
 
+@pytest.mark.parametrize("records_per_warp", [1, 3, 4])
 @pytest.mark.parametrize("mirrored", [0, 1, 150, 311])
-def test_gather_dequant_kernel_reads_mirrored_tokens_from_the_mirror(mirrored):
+def test_gather_dequant_kernel_reads_mirrored_tokens_from_the_mirror(monkeypatch, mirrored, records_per_warp):
     """Tokens below N' come from the device mirror, the others from the host: a mirror of other records (never the
-    case in a cache, where it is a copy) shows which one each slot read, for every slot and for the refresh."""
+    case in a cache, where it is a copy) shows which one each slot read, for every slot and for the refresh, however
+    many slots a warp takes."""
+    monkeypatch.setattr("shadowkv_cache.ops.gather_dequant.RECORDS_PER_WARP", records_per_warp)
     torch.manual_seed(3)
     quantizer = HiggsQuantizer(128, 2)
     store, other = pinned_store(3, 8, 311, quantizer), pinned_store(3, 8, 311, quantizer)

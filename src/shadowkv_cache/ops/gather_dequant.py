@@ -36,7 +36,11 @@ __all__ = [
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DIM = 256  # 8 coordinates per lane; the kernel's record buffer holds (D + 4) bytes at most
-_WARPS = 8  # records per block
+_WARPS = 8  # warps per block
+# Slots per warp, whose loads are all issued before the first record is decoded (GD_RECORDS in the kernel): a round trip
+# over PCIe is microseconds, so one record per warp left a step whose records come mostly from the device mirror
+# waiting on round trips, not bytes. A module setting so that benchmarks can compare (speed.py).
+RECORDS_PER_WARP = 4
 
 
 def gather_records(store: QuantizedKVStore, ids: torch.Tensor) -> torch.Tensor:
@@ -182,9 +186,9 @@ def gather_dequant_op(
         aligned.append(near.data_ptr())
     per_lane = max(1, dim // 32)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
-    load_kernels("gather_dequant", ids.device).launch(
+    load_kernels("gather_dequant", ids.device, (("GD_RECORDS", RECORDS_PER_WARP),)).launch(
         f"gather_dequant_{_KERNEL_DTYPES[keys.dtype]}_e{per_lane}",
-        grid=(-(-total // _WARPS), 1, 1),
+        grid=(-(-total // (_WARPS * RECORDS_PER_WARP)), 1, 1),
         block=(32 * _WARPS, 1, 1),
         args=[
             keys,
