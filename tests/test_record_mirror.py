@@ -112,3 +112,22 @@ def test_the_share_may_change_at_load_and_older_files_load_with_none():
     del saved["device_record_share"]  # a file written before the setting existed
     made, _ = _check_config({"shadowkv_config": saved}, None, {}, None)
     assert made.device_record_share == 0.0
+
+
+def test_a_dense_step_reads_mirrored_tokens_from_the_mirror_and_counts_only_the_rest():
+    host, other = records(3, 2, 20, 0), records(3, 2, 20, 1)
+    store = QuantizedKVStore(host, torch.arange(3), other[:, :, :8].clone()).select_rows(torch.tensor([2, 0]))
+    got, moved = store.rows_on(2, torch.device("cpu"))
+    assert torch.equal(got[:, :, :8], other[[2, 0], :, :8]) and torch.equal(got[:, :, 8:], host[[2, 0], :, 8:])
+    assert moved == 2 * 2 * 12 * host.shape[-1]
+    plain = QuantizedKVStore(host, torch.arange(3)).select_rows(torch.tensor([2, 0]))
+    got, moved = plain.rows_on(2, torch.device("cpu"))
+    assert torch.equal(got, host[[2, 0]]) and moved == got.numel()
+
+
+def test_host_reads_leave_out_the_mirrored_tokens():
+    data = records(1, 2, 20, 0)
+    ids = torch.tensor([[[0, 7, 8, 19], [3, 12, 5, 9]]])
+    fetch = torch.tensor([[[True, True, True, False], [True, True, False, True]]])
+    assert int(QuantizedKVStore(data, torch.arange(1)).host_reads(ids, fetch)) == 6
+    assert int(QuantizedKVStore(data, torch.arange(1), data[:, :, :8].clone()).host_reads(ids, fetch)) == 3

@@ -161,13 +161,17 @@ def test_a_mirrored_yakv_cache_decodes_as_an_unmirrored_one():
     model = make_tiny_model("llama").to(CUDA, torch.bfloat16)
     prompt = random_prompt(300, batch=2).to(CUDA)
     options = dict(mode="yakv", min_compress_len=64, sparse_budget=24)
-    plain = generate_with(model, prompt, ShadowKVCache(model, **options), max_new_tokens=12)
+    plain_cache = ShadowKVCache(model, **options)
+    plain = generate_with(model, prompt, plain_cache, max_new_tokens=12)
     cache = ShadowKVCache(model, **options, device_record_share=0.5)
     mirrored = generate_with(model, prompt, cache, max_new_tokens=12)
     assert torch.equal(plain.sequences, mirrored.sequences)
     torch.testing.assert_close(torch.stack(plain.logits), torch.stack(mirrored.logits), rtol=0, atol=0)
     store = cache.layers[0].prompt.store
     assert store.mirrored_tokens == store.data.shape[2] // 2 and store.mirror.device.type == "cuda"
+    # The same tokens were fetched; only those past the mirror count as read from host memory.
+    host_bytes = [sum(layer.mode.fetched_bytes for layer in c.layers) for c in (plain_cache, cache)]
+    assert 0 < host_bytes[1] < host_bytes[0]
 
 
 def test_gather_dequant_kernel_handles_an_empty_selection():

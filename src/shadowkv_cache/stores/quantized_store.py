@@ -211,6 +211,26 @@ class QuantizedKVStore:
             out[close.to(device)] = self.mirror[near].to(device)
         return out
 
+    def host_reads(self, ids: torch.Tensor, fetch: torch.Tensor) -> torch.Tensor:
+        """Of the tokens `ids` (`[B, Hkv, K]`) flagged in `fetch` (bool, same shape), how many are read from host
+        memory (a device scalar: no synchronisation), the others being in the mirror."""
+        if self.mirror is None:
+            return fetch.sum()
+        return (fetch & (ids >= self.mirrored_tokens)).sum()
+
+    def rows_on(self, count: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Every record of the first `count` cache rows on `device`, `[count, Hkv, N, E]`, and the bytes that crossed
+        from the host: the mirrored tokens are copied on the device, only the others come from host memory."""
+        if self.mirror is None or self.mirror.device != device:
+            records = self.rows(count).to(device, non_blocking=True)
+            return records, records.numel()
+        near = self.mirrored_tokens
+        far = self.rows(count)[:, :, near:]
+        out = torch.empty((count, *self.data.shape[1:]), dtype=torch.uint8, device=device)
+        out[:, :, :near] = self.mirror[self.device_row_map(device)[:count]]
+        out[:, :, near:] = far.to(device, non_blocking=True)
+        return out, far.numel()
+
     def rows(self, count: int) -> torch.Tensor:
         """Every record of the first `count` cache rows, `[count, Hkv, N, E]`: a view of the store when
         `count == 1` (an index tensor would first copy the document on the host)."""

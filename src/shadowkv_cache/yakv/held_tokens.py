@@ -81,14 +81,14 @@ class HeldTokens:
         quantizer: HiggsQuantizer,
     ) -> torch.Tensor:
         """Hold the tokens `wanted` (`[B, Hkv, K]` int64, distinct where `valid` `[B, Hkv, K]` bool): keep the ones
-        already held, fetch and dequantise the rest into freed slots. Returns the records fetched (a device
-        scalar)."""
+        already held, fetch and dequantise the rest into freed slots. Returns the records read from host memory (a
+        device scalar): the fetched tokens but those the store's device mirror holds."""
         self.ids, missed = temporal_scan(self.ids, wanted, valid, units=store.data.shape[2])
         gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
         selected, fetched = valid.sum(), missed.sum()
         self.hits += (selected - fetched).clamp(min=0)
         self.lookups += selected
-        return fetched
+        return store.host_reads(self.ids, missed)
 
     def select_rows(self, index: torch.Tensor) -> HeldTokens:
         """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""

@@ -91,7 +91,8 @@ class YakvMode:
     @property
     def fetched_bytes(self) -> int:
         """Host-to-device bytes of quantised records read so far: the selected tokens single-token steps did not
-        hold, every token of dense multi-token steps (reading it waits for the device's counter)."""
+        hold, every token of dense multi-token steps, but those the device mirror holds (reading it waits for the
+        device's counter)."""
         records = 0 if self._fetched_records is None else int(self._fetched_records)
         record_bytes = 0 if self.prompt is None else self.prompt.store.record_bytes
         return self._dense_bytes + records * record_bytes
@@ -197,7 +198,7 @@ class YakvMode:
             keys = torch.zeros((*ids.shape, quantizer.head_dim), dtype=dtype, device=ids.device)
             values = torch.zeros_like(keys)
             gather_dequant_missed(store, ids, valid, quantizer, keys, values)
-            self._fetched_records += valid.sum()
+            self._fetched_records += store.host_reads(ids, valid)
             return keys, values, valid
         if self.held is None or not self.held.fits(ids, dtype):
             self.held = self._empty_held((*ids.shape, quantizer.head_dim), dtype, ids.device)
@@ -213,9 +214,9 @@ class YakvMode:
         prompt = self.prompt
         # Rows of one shared document are fetched and dequantised once.
         rows = 1 if prompt.is_one_document else batch
-        records = prompt.store.rows(rows).to(device, non_blocking=True)
+        records, moved = prompt.store.rows_on(rows, device)
         keys, values = dequant_records(records, self.quantizer(dim), dtype)
-        self._dense_bytes += records.numel()
+        self._dense_bytes += moved
         shape = (batch, *keys.shape[1:])
         return keys.expand(shape), values.expand(shape), prompt.selectable
 
