@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import generate_with, make_tiny_model, random_prompt
+from helpers import forward_with, generate_with, make_tiny_model, random_prompt
 
 from shadowkv_cache import ShadowKVCache
 from shadowkv_cache.ops.gather_dequant import (
@@ -172,6 +172,10 @@ def test_a_mirrored_yakv_cache_decodes_as_an_unmirrored_one():
     # The same tokens were fetched; only those past the mirror count as read from host memory.
     host_bytes = [sum(layer.mode.fetched_bytes for layer in c.layers) for c in (plain_cache, cache)]
     assert 0 < host_bytes[1] < host_bytes[0]
+    # A new turn (a multi-token step) reads every quantised token: the mirrored ones from the device.
+    turn = torch.cat([plain.sequences[:, -1:], random_prompt(5, batch=2, seed=1).to(CUDA)], dim=1)
+    logits = [forward_with(model, turn, c).logits for c in (plain_cache, cache)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 def test_gather_dequant_kernel_handles_an_empty_selection():
