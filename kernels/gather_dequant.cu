@@ -17,7 +17,7 @@
 
 #define GD_WARPS 8                               // warps per block of 256 threads
 #ifndef GD_RECORDS
-#define GD_RECORDS 4                             // consecutive slots per warp (ops/gather_dequant.py RECORDS_PER_WARP)
+#define GD_RECORDS 1                             // consecutive slots per warp (ops/gather_dequant.py RECORDS_PER_WARP)
 #endif
 #define GD_MAX_WORDS 65                          // (D + 4) / 4 at D = 256, p = 2: the largest record
 
@@ -50,8 +50,7 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
     const long long first = ((long long)blockIdx.x * GD_WARPS + warp) * GD_RECORDS;
     const int n = E >> 2;
     // Every load of every record the warp fetches is issued before any is used: one memory round trip per warp and
-    // GD_RECORDS records rather than per record. A round trip over PCIe is microseconds, so with one record per warp
-    // a step whose records come mostly from the device mirror waited on round trips, not bytes.
+    // GD_RECORDS records (ops/gather_dequant.py RECORDS_PER_WARP says what more than one did).
     const unsigned char* src[GD_RECORDS];
     bool live[GD_RECORDS];
     unsigned w[GD_RECORDS][NW];

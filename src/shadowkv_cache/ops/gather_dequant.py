@@ -37,10 +37,11 @@ __all__ = [
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DIM = 256  # 8 coordinates per lane; the kernel's record buffer holds (D + 4) bytes at most
 _WARPS = 8  # warps per block
-# Slots per warp, whose loads are all issued before the first record is decoded (GD_RECORDS in the kernel): a round trip
-# over PCIe is microseconds, so one record per warp left a step whose records come mostly from the device mirror
-# waiting on round trips, not bytes. A module setting so that benchmarks can compare (speed.py).
-RECORDS_PER_WARP = 4
+# Slots per warp, whose loads are all issued before the first record is decoded (GD_RECORDS in the kernel). Four were
+# meant to keep more PCIe round trips in flight when most records come from the device mirror; at 128K batch 22 on an
+# H200 machine they changed nothing measurable (docs/results.md), so one stays. A module setting so that benchmarks
+# can compare (speed.py --gather-records).
+RECORDS_PER_WARP = 1
 
 
 def gather_records(store: QuantizedKVStore, ids: torch.Tensor) -> torch.Tensor:
