@@ -339,14 +339,20 @@ def test_prefix_round_trip_on_cuda(kind, tmp_path):
         assert_logits_close(full.logits, ref.logits, atol=1e-4)  # CUDA SDPA sums in another order
 
 
-def test_yakv_prefill_batch_on_cuda():
-    """YAKV prompts joined on the device: the joined store is pinned, and each row decodes as its prompt alone."""
+@pytest.mark.parametrize("share", [0.0, 0.6])
+def test_yakv_prefill_batch_on_cuda(share):
+    """YAKV prompts joined on the device: the joined store is pinned (and mirrored on the device for a share), and each
+    row decodes as its prompt alone."""
     model = make_tiny_model("llama").cuda()
-    options = PREFIX_KINDS["yakv"][1]
+    options = {**PREFIX_KINDS["yakv"][1], "device_record_share": share}
     rows = [random_prompt(n, seed=810 + n)[0] for n in (260, 190)]
     ids, mask = left_pad(rows)
     cache = ShadowKVCache.prefill_batch(model, ids, mask, micro_batch_size=1, **options)
     assert all(layer.prompt.store.data.is_pinned() for layer in cache.layers)
+    for layer in cache.layers:
+        store = layer.prompt.store
+        assert store.mirrored_tokens == int(share * store.data.shape[2])
+        assert store.mirror is None or torch.equal(store.mirror.cpu(), store.data[:, :, : store.mirrored_tokens])
     together = generate_with(model, ids.cuda(), cache, attention_mask=mask.cuda(), max_new_tokens=8)
     for i, row in enumerate(rows):
         alone_cache = ShadowKVCache.prefill(model, row[:-1], **options)

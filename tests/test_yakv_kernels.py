@@ -539,3 +539,21 @@ def test_yakv_steps_are_captured_and_replay_the_eager_steps(arch, prompt, budget
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
         assert graphed.memory_report().hit_rate == eager.memory_report().hit_rate
         assert fetched_bytes(graphed) == fetched_bytes(eager) > 0
+
+
+def test_a_prefix_file_loads_mirrored_and_decodes_as_unmirrored(tmp_path):
+    """`device_record_share` may change at `load_prefix`: the loaded store mirrors its first records on the device and
+    the question decodes as from the same file loaded without a mirror."""
+    model = make_tiny_model("llama").to(CUDA)
+    options = dict(mode="yakv", min_compress_len=64, sparse_budget=24)
+    document, question = random_prompt(300, seed=5)[0], random_prompt(6, seed=6)[0]
+    ShadowKVCache.prefill(model, document, **options).save_prefix(tmp_path / "doc.safetensors")
+    ids = torch.cat([document, question])[None].to(CUDA)
+    out = []
+    for share in (0.0, 0.7):
+        cache = ShadowKVCache.load_prefix(model, tmp_path / "doc.safetensors", device_record_share=share)
+        store = cache.layers[0].prompt.store
+        assert store.mirrored_tokens == int(share * store.data.shape[2])
+        out.append(generate_with(model, ids, cache, max_new_tokens=8))
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    torch.testing.assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits), rtol=0, atol=0)

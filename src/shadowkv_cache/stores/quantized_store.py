@@ -114,8 +114,12 @@ class QuantizedKVStore:
         """This store (the same host data and rows) with each stored row's first `mirrored_tokens(share, N)` records
         also on `device`, copied from `records` (this store's records already on `device`) or from the host. A CPU
         device, or a share that mirrors no token, gives a store without a mirror."""
-        count = mirrored_tokens(share, self.data.shape[2])
-        if device.type != "cuda" or count == 0:
+        count = mirrored_tokens(share, self.data.shape[2]) if device.type == "cuda" else 0
+        return self._mirrored(count, device, records)
+
+    def _mirrored(self, count: int, device: torch.device, records: torch.Tensor | None = None) -> QuantizedKVStore:
+        """This store with its first `count` tokens' records mirrored on `device` (no mirror for 0)."""
+        if count == 0:
             mirror = None
         elif records is not None and records.device == device:
             mirror = records[:, :, :count].clone()
@@ -153,8 +157,7 @@ class QuantizedKVStore:
         mirrors = [s.mirror for s in stores if s.mirror is not None]
         if not mirrors:
             return joined
-        count = max(m.shape[2] for m in mirrors)
-        return cls(out, joined.stored_rows, out[:, :, :count].to(mirrors[0].device))
+        return joined._mirrored(max(m.shape[2] for m in mirrors), mirrors[0].device)
 
     @property
     def nbytes(self) -> int:
