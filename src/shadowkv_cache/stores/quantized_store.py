@@ -211,7 +211,7 @@ class QuantizedKVStore:
         close = tokens < self.mirrored_tokens
         if self.mirror is not None and bool(close.any()):
             near = [index[close].to(self.mirror.device) for index in (rows, heads, tokens)]
-            out[close.to(device)] = self.mirror[near].to(device)
+            out[close.to(device)] = self.mirror[tuple(near)].to(device)
         return out
 
     def host_reads(self, ids: torch.Tensor, fetch: torch.Tensor) -> torch.Tensor:
