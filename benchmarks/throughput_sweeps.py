@@ -125,26 +125,22 @@ def full_attention_sweeps(run: Run) -> None:
                 if need > run.total_gpu:
                     log(f"{method} {length} batch {batch}: needs {need / GiB:.0f} GiB > GPU, stop")
                     break
-                cache = None
-                try:
-                    free(device)
-                    reset_peak(device)
+
+                def build(method=method, batch=batch, length=length):
                     if method == "dynamic":
-                        cache = fill_dynamic(model, batch, length)
-                    else:
-                        cache = fill_static(model, batch, length, args.warm + args.steps + 1)
-                    step = decode(model, cache, batch, args.warm, args.steps, device)
-                except torch.OutOfMemoryError:
-                    log(f"{method} {length} batch {batch}: out of GPU memory")
-                    del cache
-                    free(device)
-                    break
+                        return fill_dynamic(model, batch, length)
+                    return fill_static(model, batch, length, args.warm + args.steps + 1)
+
+                try:
+                    timed = _timed(run, build, batch, f"{method} {length} batch {batch}")
                 except Exception as err:  # StaticCache "if it runs"
                     log(f"{method} {length} batch {batch}: failed: {err!r}")
                     run.rec.add(dict(context=length, method=method, batch=batch, note=f"failed: {type(err).__name__}"))
-                    del cache
                     free(device)
                     break
+                if timed is None:
+                    break
+                cache, step = timed
                 row = dict(context=length, method=method, fill="synthetic", batch=batch, tok_s=batch / step,
                            step_ms=step * 1e3, **peaks(device),
                            gpu_bytes_per_seq_gib=length * kv / GiB)  # fmt: skip
@@ -173,6 +169,22 @@ def host_blocks(run: Run) -> list[torch.Tensor] | None:
     blocks = pinned_blocks(layers, int(run.args.host_gib * GiB // layers))
     log(f"pinned pool: {pinned_bytes() / GiB:.1f} GiB pinned ({time.perf_counter() - t:.1f} s)")
     return blocks
+
+
+def _timed(run: Run, build, batch: int, what: str):
+    """`(cache, seconds per decode step)` of the cache `build()` makes after the previous one's memory is freed, or
+    None (logged, memory freed) when it does not fit the GPU. Other errors propagate."""
+    cache = None
+    try:
+        free(run.device)
+        reset_peak(run.device)
+        cache = build()
+        return cache, decode(run.model, cache, batch, run.args.warm, run.args.steps, run.device)
+    except torch.OutOfMemoryError:
+        log(f"{what}: out of GPU memory")
+        del cache
+        free(run.device)
+        return None
 
 
 def _host_sweep(run: Run, row_host: int, align: int) -> tuple[list[int], int]:
@@ -208,23 +220,20 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
             while i < len(plan):
                 batch, h = plan[i]
                 i += 1
-                cache = None
-                try:
-                    free(device)
-                    reset_peak(device)
+
+                def build(batch=batch, h=h, length=length, fmt_config=fmt_config, landmark_format=landmark_format):
                     policy = LandmarkTopK(landmark_format)  # h None: the model's own selection, else wrapped
-                    cache = synthetic_cache(model, batch, length, fmt_config, policy, hit_rate=h, host_blocks=blocks)
-                    step = decode(model, cache, batch, args.warm, args.steps, device)
-                except torch.OutOfMemoryError:
-                    log(f"shadowkv {length} {label} batch {batch}: out of GPU memory")
-                    del cache
-                    free(device)
+                    return synthetic_cache(model, batch, length, fmt_config, policy, hit_rate=h, host_blocks=blocks)
+
+                timed = _timed(run, build, batch, f"shadowkv {length} {label} batch {batch}")
+                if timed is None:
                     if i <= len(sweep):  # larger batches would not fit either: on to the other hit rates
                         sweep, plan = sweep[: i - 1], plan[: i - 1]
                         if best_row is not None:
                             plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
                         i = len(sweep)
                     continue
+                cache, step = timed
                 hr = hit_rate(cache)
                 bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw,
                                                   landmark_format)  # fmt: skip
@@ -260,17 +269,14 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
             log(f"yakv {length} ({label}): host records {row_host * cfg.num_hidden_layers / GiB:.2f} GiB per row, "
                 f"up to {max_rows} rows")  # fmt: skip
             for batch in sweep:
-                cache = None
-                try:
-                    free(device)
-                    reset_peak(device)
-                    cache = synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
-                    step = decode(model, cache, batch, args.warm, args.steps, device)
-                except torch.OutOfMemoryError:
-                    log(f"yakv {length} ({label}) batch {batch}: out of GPU memory")
-                    del cache
-                    free(device)
+
+                def build(batch=batch, length=length, yakv_config=yakv_config):
+                    return synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
+
+                timed = _timed(run, build, batch, f"yakv {length} ({label}) batch {batch}")
+                if timed is None:
                     break
+                cache, step = timed
                 hr = hit_rate(cache)
                 bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
                 run.rec.add(dict(context=length, method="yakv", value_format=label, fill="synthetic", batch=batch,
