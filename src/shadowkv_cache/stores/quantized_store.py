@@ -228,15 +228,15 @@ class QuantizedKVStore:
             records = self.rows(count).to(device, non_blocking=True)
             return records, records.numel()
         near = self.mirrored_tokens
-        far = self.rows(count)[:, :, near:]
+        far = self.rows(count, near)
         out = torch.empty((count, *self.data.shape[1:]), dtype=torch.uint8, device=device)
         out[:, :, :near] = self.mirror[self.device_row_map(device)[:count]]
         out[:, :, near:] = far.to(device, non_blocking=True)
         return out, far.numel()
 
-    def rows(self, count: int) -> torch.Tensor:
-        """Every record of the first `count` cache rows, `[count, Hkv, N, E]`: a view of the store when
-        `count == 1` (an index tensor would first copy the document on the host)."""
+    def rows(self, count: int, first_token: int = 0) -> torch.Tensor:
+        """The records of tokens `first_token` on of the first `count` cache rows, `[count, Hkv, N - first_token, E]`:
+        a view of the store when `count == 1` (an index tensor would first copy the document on the host)."""
         if count == 1:
-            return self.data[int(self.row_map[0])][None]
-        return self.data[self.row_map[:count]]
+            return self.data[int(self.row_map[0]), :, first_token:][None]
+        return self.data[self.row_map[:count], :, first_token:]

@@ -88,7 +88,8 @@ class HeldTokens:
         selected, fetched = valid.sum(), missed.sum()
         self.hits += (selected - fetched).clamp(min=0)
         self.lookups += selected
-        return store.host_reads(self.ids, missed)
+        # Without a mirror every fetched token was read from the host: no second reduction in the step.
+        return fetched if store.mirror is None else store.host_reads(self.ids, missed)
 
     def select_rows(self, index: torch.Tensor) -> HeldTokens:
         """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""
