@@ -15,8 +15,8 @@ for records of several sizes, strides and offsets:
 - 64 to 512 bytes aligned: how the rate grows with the record;
 
 and, as the reference, a sequential pinned-to-device copy and the `gather_dequant` kernel itself on 132-byte records.
-`GBps` counts the record bytes once (what the step's byte count means); `lines` and `sectors` are the numbers of 128-byte
-lines and 32-byte sectors a record touches on average.
+`GBps` counts the record bytes once (what the step's byte count means); `lines` and `sectors` are the numbers of
+128-byte lines and 32-byte sectors a record touches on average.
 
     python -m benchmarks.host_records --device cuda          # an H200 machine, under a minute
 """
