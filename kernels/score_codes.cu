@@ -414,11 +414,15 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         load_words<CPT>(ring_a + slot_out * 16 * M, wa);
         load_words<CPT>(ring_a + slot_out * 16 * M + 8 * M, wb);
         slot_out = slot_out == DEPTH - 1 ? 0 : slot_out + 1;
-        const bool in_a = na < n1, in_b = nb < n1;
-        const unsigned short ha = in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
-        const unsigned short hb = in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
-        const bool ok_a = ha != NOT_SELECTABLE, ok_b = hb != NOT_SELECTABLE;
-        const float scale_a = f16_value(ha) * unit, scale_b = f16_value(hb) * unit;
+        // PACKED: lanes tq < 2 finish token na and lanes tq >= 2 token nb (the epilogue below), so each reads its own
+        // token's norm; otherwise every lane finishes both.
+        const int nm = PACKED && tq >= 2 ? nb : na;
+        const bool in_a = na < n1, in_b = nb < n1, in_m = nm < n1;
+        const unsigned short ha = PACKED ? 0 : in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
+        const unsigned short hb = PACKED ? 0 : in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
+        const unsigned short hm = PACKED ? (in_m ? norm_bits[nm - n0] : NOT_SELECTABLE) : 0;
+        const bool ok_a = ha != NOT_SELECTABLE, ok_b = hb != NOT_SELECTABLE, ok_m = hm != NOT_SELECTABLE;
+        const float scale_a = f16_value(ha) * unit, scale_b = f16_value(hb) * unit, scale_m = f16_value(hm) * unit;
 
         int acc[PARTS][4] = {};
 #pragma unroll
@@ -434,46 +438,66 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
 #pragma unroll
             for (int part = 0; part < PARTS; ++part) imma_m16n8k32(acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
         }
-        float c[4];  // (token na, col0), (na, col1), (nb, col0), (nb, col1)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int hi = acc[0][i], mid = PACKED ? 0 : acc[1][i];
-            if constexpr (PACKED) {  // lanes tq < 2 hold the hi digits, tq >= 2 the mid ones, of the same heads
-                const int other = __shfl_xor_sync(0xffffffffu, acc[0][i], 2);
-                mid = tq < 2 ? other : hi;
-                hi = tq < 2 ? hi : other;
-            }
+        constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
+        const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
+        if constexpr (PACKED) {
+            // Lanes tq and tq^2 hold the hi and the mid digits of the same two heads for both tokens. One exchange of
+            // two words leaves lane tq < 2 all three digits of token na and lane tq^2 those of token nb, so each lane
+            // finishes two logits, not four (the loop issues ~50 fewer instructions per 16 tokens).
+            const bool low = tq < 2;
+            const int got0 = __shfl_xor_sync(0xffffffffu, low ? acc[0][2] : acc[0][0], 2);
+            const int got1 = __shfl_xor_sync(0xffffffffu, low ? acc[0][3] : acc[0][1], 2);
+            const int hi0 = low ? acc[0][0] : got0, mid0 = low ? got0 : acc[0][2], lo0 = low ? acc[1][0] : acc[1][2];
+            const int hi1 = low ? acc[0][1] : got1, mid1 = low ? got1 : acc[0][3], lo1 = low ? acc[1][1] : acc[1][3];
             // mid * 2^8 + lo is exact in int32 (|mid dot| < 2^22); the hi digit joins it in one fp32 rounding.
-            c[i] = fmaf((float)hi, 65536.f, (float)(mid * 256 + acc[PARTS - 1][i]));
-        }
-        const float la0 = ok_a ? c[0] * k0 * scale_a : NEG_INF, la1 = ok_a ? c[1] * k1 * scale_a : NEG_INF;
-        const float lb0 = ok_b ? c[2] * k0 * scale_b : NEG_INF, lb1 = ok_b ? c[3] * k1 * scale_b : NEG_INF;
-        // Each column's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4) of the quad lane.
-        float g0 = fmaxf(la0, lb0), g1 = fmaxf(la1, lb1);
+            const float l0 = ok_m ? fmaf((float)hi0, 65536.f, (float)(mid0 * 256 + lo0)) * k0 * scale_m : NEG_INF;
+            const float l1 = ok_m ? fmaf((float)hi1, 65536.f, (float)(mid1 * 256 + lo1)) * k1 * scale_m : NEG_INF;
+            // Each column's max over the group's 16 tokens: lanes tq and tq^2 (tokens na, nb), then the 8 row groups.
+            float g0 = l0, g1 = l1;
 #pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-            g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
-            g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
-        }
-        // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
-        const float ea0 = g0 == NEG_INF ? 0.f : exp2_ftz(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : exp2_ftz(lb0 - g0);
-        const float ea1 = g1 == NEG_INF ? 0.f : exp2_ftz(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : exp2_ftz(lb1 - g1);
-        if (writes) {
-            constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
-            const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
-            if (in_a) *out_a = ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked;
-            if (in_b) out_a[8 * pairs] = ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked;
-            if (gid == 0) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
+            for (int off = 2; off < 32; off <<= 1) {
+                g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
+                g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
+            }
+            // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
+            const float e0 = g0 == NEG_INF ? 0.f : exp2_ftz(l0 - g0), e1 = g1 == NEG_INF ? 0.f : exp2_ftz(l1 - g1);
+            if (col0 < G) {
+                if (in_m) out_a[low ? 0 : 8 * pairs] = ok_m ? pack_f16x2(e0 * UP, e1 * UP) : marked;
+                if (gid == 0 && low) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
+            }
+            add_group2(m0, s0, g0, e0);  // lane tq^2 adds token nb's to its copy of the state: merged at the end
+            add_group2(m1, s1, g1, e1);
+        } else {
+            float c[4];  // (token na, col0), (na, col1), (nb, col0), (nb, col1)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] = fmaf((float)acc[0][i], 65536.f, (float)(acc[1][i] * 256 + acc[PARTS - 1][i]));
+            const float la0 = ok_a ? c[0] * k0 * scale_a : NEG_INF, la1 = ok_a ? c[1] * k1 * scale_a : NEG_INF;
+            const float lb0 = ok_b ? c[2] * k0 * scale_b : NEG_INF, lb1 = ok_b ? c[3] * k1 * scale_b : NEG_INF;
+            // Each column's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4) of the quad lane.
+            float g0 = fmaxf(la0, lb0), g1 = fmaxf(la1, lb1);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {
+                g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
+                g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
+            }
+            const float ea0 = g0 == NEG_INF ? 0.f : exp2_ftz(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : exp2_ftz(lb0 - g0);
+            const float ea1 = g1 == NEG_INF ? 0.f : exp2_ftz(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : exp2_ftz(lb1 - g1);
+            if (writes) {
+                if (in_a) *out_a = ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked;
+                if (in_b) out_a[8 * pairs] = ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked;
+                if (gid == 0) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
+            }
+            add_group2(m0, s0, g0, ea0 + eb0);
+            add_group2(m1, s1, g1, ea1 + eb1);
         }
         out_a += out_step;
         out_g += gmax_step;
-        add_group2(m0, s0, g0, ea0 + eb0);
-        add_group2(m1, s1, g1, ea1 + eb1);
     }
     cp_async_wait<0>();
 
-    // The quad's columns over the warp's 8 row groups, then over the block's warps.
-    for (int off = 4; off < 32; off <<= 1) {
+    // The quad's columns over the warp's 8 row groups (and, PACKED, lanes tq and tq^2: tokens na and nb), then over
+    // the block's warps.
+    for (int off = PACKED ? 2 : 4; off < 32; off <<= 1) {
         merge_state<true>(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
         merge_state<true>(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
     }
