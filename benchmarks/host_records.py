@@ -71,10 +71,11 @@ def lines_touched(record: int, stride: int, offset: int, line: int = 128, count:
     return total / count
 
 
-def case_row(host: torch.Tensor, address: int, case, count: int, device: torch.device) -> dict:
+def case_row(host: torch.Tensor, address: int, case, count: int, device: torch.device, span: int = 0) -> dict:
+    """One case's row; records drawn from the first `span` bytes of `host` (0: all of it)."""
     label, record, stride, offset, dtype = case
     item = torch.empty((), dtype=dtype).element_size()
-    n = (host.numel() - offset - record) // stride
+    n = ((span or host.numel()) - offset - record) // stride
     view = torch.as_tensor(_DeviceView(address + offset, (n, record // item), (stride, item), dtype), device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     index = torch.randint(0, n, (count,), device=device, generator=gen)
@@ -91,6 +92,7 @@ def case_row(host: torch.Tensor, address: int, case, count: int, device: torch.d
         "offset": offset,
         "load_bytes": item,
         "records": count,
+        "span_mib": (span or host.numel()) >> 20,
         "lines": round(lines_touched(record, stride, offset), 3),
         "sectors": round(lines_touched(record, stride, offset, 32), 3),
         "ms": round(ms, 4),
@@ -98,13 +100,14 @@ def case_row(host: torch.Tensor, address: int, case, count: int, device: torch.d
     }
 
 
-def kernel_row(host: torch.Tensor, address: int, count: int, device: torch.device) -> dict:
-    """`gather_dequant` over `count` random 132-byte records of a [1, 8, N, 132] store (D = 128, p = 2)."""
+def kernel_row(host: torch.Tensor, address: int, count: int, device: torch.device, span: int = 0) -> dict:
+    """`gather_dequant` over `count` random 132-byte records of a [1, 8, N, 132] store (D = 128, p = 2) made of the
+    first `span` bytes of `host` (0: all of it)."""
     from shadowkv_cache.ops.gather_dequant import gather_dequant_op
     from shadowkv_cache.quant import higgs_quantizer
 
     heads, record = 8, 132
-    n = host.numel() // (heads * record)
+    n = (span or host.numel()) // (heads * record)
     data = host[: heads * n * record].view(1, heads, n, record)
     per_head = count // heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -126,6 +129,7 @@ def kernel_row(host: torch.Tensor, address: int, count: int, device: torch.devic
         "offset": 0,
         "load_bytes": 4,
         "records": heads * per_head,
+        "span_mib": (span or host.numel()) >> 20,
         "lines": round(lines_touched(record, record, 0), 3),
         "sectors": round(lines_touched(record, record, 0, 32), 3),
         "ms": round(ms, 4),
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--host-gib", type=float, default=4.0, help="pinned buffer the records are drawn from")
     p.add_argument("--counts", default="65536,524288", help="records per launch (65536: one layer at batch 22)")
+    p.add_argument("--spans-mib", default="16,256", help="smaller spans to draw 132-byte records from, MiB")
     p.add_argument("--name", default="host_records")
     add_results_dir_option(p)
     args = p.parse_args(argv)
@@ -165,9 +170,19 @@ def main(argv: list[str] | None = None) -> None:
             log(rows[-1])
         rows.append(kernel_row(host, address, count, device))
         log(rows[-1])
+        # Records drawn from a smaller span of the buffer: if the rate depends on it, translating addresses (not
+        # bytes or requests) is what each record costs.
+        for mib in [int(m) for m in args.spans_mib.split(",") if m]:
+            for row in (
+                case_row(host, address, CASES[5], count, device, mib << 20),
+                kernel_row(host, address, count, device, mib << 20),
+            ):
+                rows.append({**row, "case": f"{row['case']}, {mib} MiB span"})
+                log(rows[-1])
         free(device)
     sync(device)
-    columns = ["case", "records", "record_bytes", "stride", "offset", "load_bytes", "lines", "sectors", "ms", "GBps"]
+    columns = ["case", "records", "span_mib", "record_bytes", "stride", "offset", "load_bytes", "lines", "sectors"]
+    columns += ["ms", "GBps"]
     write_results(
         args.name,
         "Random records read from pinned host memory over PCIe",

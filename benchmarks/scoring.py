@@ -104,7 +104,7 @@ def one_layer(
                 {
                     "context": context,
                     "batch": batch,
-                    "kernel": name if not tensor_cores or len(grids) == 1 else f"{name} {grid[0]}x{grid[1]}",
+                    "kernel": name if not tensor_cores or len(grids) == 1 else f"{name} {'x'.join(map(str, grid))}",
                     "ms": round(ms, 4),
                     "codes_GBps": round(once / ms / 1e6, 1),
                     "codes_share_of_hbm": round(once / ms / 1e-3 / bandwidth, 3) if bandwidth == bandwidth else None,
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--mma-grids", default=None,
-                        help="D = 128 tensor-core grids to time, 'blocks:stages,...' (MMA_K8_GRID in "
+                        help="D = 128 tensor-core grids to time, 'blocks:stages:warps,...' (MMA_K8_GRID in "
                              "ops/score_codes.py; default: its value)")  # fmt: skip
     parser.add_argument("--name", default=None)
     add_results_dir_option(parser)
@@ -156,7 +156,7 @@ def main() -> None:
             for grid in grids:
                 score_codes.check_mma_k8_grid(grid)
         except ValueError as err:
-            parser.error(f"--mma-grids takes blocks:stages pairs, e.g. 4:5,5:4; got {args.mma_grids!r} ({err})")
+            parser.error(f"--mma-grids takes blocks:stages:warps, e.g. 4:3:4,3:2:8; got {args.mma_grids!r} ({err})")
     bandwidth = hbm_bandwidth(device)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = []

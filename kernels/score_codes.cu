@@ -209,7 +209,7 @@ CODE_LOGITS_ALL_G(8)
 // Legend: CPT = M/4 codes per thread per token (4 threads per token), NK = CPT/2 k-tiles of 32 dims, gid = lane/4 (MMA
 // row group; B column gid), tq = lane % 4.
 
-#define MMA_THREADS 128
+#define MMA_THREADS 128  // threads per block, but D = 128's: MMA_WARPS_K8 warps
 // The grid of D = 128 (CPT = 8), the most common head dim: blocks per SM that registers are budgeted for, and stages of
 // the code ring. score_codes.py passes its own values.
 #ifndef MMA_MIN_BLOCKS_K8
@@ -217,6 +217,9 @@ CODE_LOGITS_ALL_G(8)
 #endif
 #ifndef MMA_DEPTH_K8
 #define MMA_DEPTH_K8 3
+#endif
+#ifndef MMA_WARPS_K8
+#define MMA_WARPS_K8 4  // 8 share one table among twice the warps (static shared memory then takes 2 stages at most)
 #endif
 #define MMA_TILE 2048   // tokens per block (score_codes.py's _MMA_TILE)
 #define MMA_COPIES 32  // copies of the int8 grid in shared memory, one per lane: no bank conflicts
@@ -306,20 +309,21 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                                      long long sel_row_stride, long long sel_head_stride,
                                                      const unsigned* points8, float scaling, float sqrt_d, int Hkv,
                                                      int G, int N) {
-    constexpr int M = 4 * CPT, D = 4 * M, W = CPT / 4, NK = CPT / 2, STRIDE = MMA_THREADS / 32 * 16;
+    constexpr int THREADS = CPT == 8 ? 32 * MMA_WARPS_K8 : MMA_THREADS;
+    constexpr int M = 4 * CPT, D = 4 * M, W = CPT / 4, NK = CPT / 2, STRIDE = THREADS / 32 * 16;
     constexpr int PARTS = PACKED ? 2 : 3;  // MMAs per k-tile
     // Stages of the code ring; under 48 KiB of static shared memory in all (the table takes 32 KiB).
     constexpr int DEPTH = CPT == 16 ? 2 : CPT == 8 ? MMA_DEPTH_K8 : 5;
     __shared__ unsigned table[256 * MMA_COPIES];
     __shared__ unsigned short norm_bits[MMA_TILE];
-    __shared__ __align__(16) unsigned char stage[MMA_THREADS / 32][DEPTH][16 * M];
-    __shared__ float wm[MMA_THREADS / 32][8], ws[MMA_THREADS / 32][8];
+    __shared__ __align__(16) unsigned char stage[THREADS / 32][DEPTH][16 * M];
+    __shared__ float wm[THREADS / 32][8], ws[THREADS / 32][8];
     const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
     const int pairs = (G + 1) / 2, groups = (N + 15) / 16;  // Gp / 2 words per token; NG
     const size_t rh = (size_t)row * Hkv + head;
 
-    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += MMA_THREADS) table[i] = __ldg(points8 + i / MMA_COPIES);
+    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += THREADS) table[i] = __ldg(points8 + i / MMA_COPIES);
     // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
     // waits on no global load but the codes'.
     const int n0 = blockIdx.x * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
@@ -327,7 +331,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
         const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
 #pragma unroll 4
-        for (int n = n0 + threadIdx.x; n < n1; n += MMA_THREADS)
+        for (int n = n0 + threadIdx.x; n < n1; n += THREADS)
             norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
     }
 
@@ -509,15 +513,15 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     if (threadIdx.x < G) {
         float mm = NEG_INF, ss = 0.f;
 #pragma unroll
-        for (int w = 0; w < MMA_THREADS / 32; ++w) merge_state<true>(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
+        for (int w = 0; w < THREADS / 32; ++w) merge_state<true>(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
         const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
         part_max[p] = mm;
         part_sum[p] = ss;
     }
 }
 
-#define CODE_MMA(CPT, G_MAX, PACKED, MIN_BLOCKS)                                                                   \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MIN_BLOCKS) code_states_mma_k##CPT##_g##G_MAX(      \
+#define CODE_MMA(CPT, G_MAX, PACKED, THREADS, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) code_states_mma_k##CPT##_g##G_MAX(          \
         float* part_max, float* part_sum, unsigned* exps, float* gmaxes, const float* query,                      \
         const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
         const bool* selectable, long long sel_row_stride, long long sel_head_stride, const unsigned* points8,    \
@@ -528,12 +532,12 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     }
 
 // Kernel names: k<CPT> (D = 16 * CPT), g<largest G> (4: two MMAs per k-tile, 8: three).
-CODE_MMA(4, 4, true, 1)
-CODE_MMA(4, 8, false, 1)
-CODE_MMA(8, 4, true, MMA_MIN_BLOCKS_K8)  // D = 128
-CODE_MMA(8, 8, false, MMA_MIN_BLOCKS_K8)
-CODE_MMA(16, 4, true, 1)
-CODE_MMA(16, 8, false, 1)
+CODE_MMA(4, 4, true, MMA_THREADS, 1)
+CODE_MMA(4, 8, false, MMA_THREADS, 1)
+CODE_MMA(8, 4, true, 32 * MMA_WARPS_K8, MMA_MIN_BLOCKS_K8)  // D = 128
+CODE_MMA(8, 8, false, 32 * MMA_WARPS_K8, MMA_MIN_BLOCKS_K8)
+CODE_MMA(16, 4, true, MMA_THREADS, 1)
+CODE_MMA(16, 8, false, MMA_THREADS, 1)
 
 #define FINISH_THREADS 256
 #define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16

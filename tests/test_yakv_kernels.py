@@ -334,6 +334,29 @@ def test_code_scores_kernel_matches_twin(batch, kv_heads, group, num, dim, grid_
     assert bool((picked >= kth * (1 - 1e-3) - 1e-6 * want.amax()).all())
 
 
+@pytest.mark.parametrize("grid", [(4, 3, 4), (5, 2, 4), (3, 2, 8), (2, 2, 8)])
+@pytest.mark.parametrize("group", [3, 4, 6])
+def test_every_d128_tensor_core_grid_gives_the_same_scores(grid, group, monkeypatch):
+    """D = 128's tensor-core kernel compiled at each grid the benchmarks compare (blocks per SM, code-ring stages,
+    warps per block): the warps of a block split its tile differently, so the tile's softmax sums add in another
+    order (float32 round-off); the scores are otherwise the same."""
+    import shadowkv_cache.ops.score_codes as score_codes
+
+    if torch.cuda.get_device_capability(CUDA) < (8, 0):
+        pytest.skip("the tensor-core kernels need sm_80 or later")
+    torch.manual_seed(0)
+    quantizer = HiggsQuantizer(128, 4)
+    codes, norms = scoring_state(2, 2, 5003, quantizer)
+    query = torch.randn(2, 2 * group, 1, 128, device=CUDA, dtype=torch.bfloat16)
+    selectable = (torch.rand(2, 5003, device=CUDA) < 0.9)[:, None, :].expand(-1, 2, -1)
+    want = code_scores(query, codes, norms, selectable, quantizer, 0.088, tensor_cores=True)
+    monkeypatch.setattr(score_codes, "MMA_K8_GRID", grid)
+    got = code_scores(query, codes, norms, selectable, quantizer, 0.088, tensor_cores=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7 * want.amax().item())
+    torch.testing.assert_close(got, code_scores_reference(query, codes, norms, selectable, quantizer, 0.088),
+                               rtol=1e-3, atol=1e-6 * want.amax().item())  # fmt: skip
+
+
 @pytest.mark.parametrize("group, dim", [(3, 128), (4, 64), (6, 128), (8, 256)])
 def test_masked_code_scores_are_minus_infinity_where_not_selectable(group, dim, monkeypatch):
     """`masked=True`, what `QuantizedKeyTopK`'s top-k reads: the tensor-core kernels write -inf for tokens that are not

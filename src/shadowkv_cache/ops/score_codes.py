@@ -103,29 +103,34 @@ def attention_scores(logits: torch.Tensor, selectable: torch.Tensor, groups: int
 _MAX_GROUP = 8
 _MAX_DIM = 256
 _THREADS, _TILE, _SOFTMAX_TILE = 256, 1024, 1024
-# Tensor-core kernels: 4 warps per block, 2048 tokens per block (score_codes.cu's MMA_TILE); the scores from their
-# exponentials: 256 threads, 2048 tokens per block (FINISH_TILE).
+# Tensor-core kernels: 4 warps per block (D = 128: MMA_K8_GRID's), 2048 tokens per block (score_codes.cu's MMA_TILE);
+# the scores from their exponentials: 256 threads, 2048 tokens per block (FINISH_TILE).
 _MMA_THREADS, _MMA_TILE = 128, 2048
 _FINISH_THREADS, _FINISH_TILE = 256, 2048
 _MMA_CODES_PER_THREAD = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
-# D = 128's tensor-core grid: (blocks per SM its registers are budgeted for, stages of its code ring), compiled in
-# (score_codes.cu's MMA_MIN_BLOCKS_K8, MMA_DEPTH_K8); benchmarks/scoring.py compares settings. 4 blocks and 3 stages
-# scored 128K tokens at batch 23 in 0.863 ms per layer against 0.911 with 5 stages and 0.871 at 5 blocks and 3 stages
-# on an H200 machine (results/scoring_cuda_imma.md).
-MMA_K8_GRID = (4, 3)
+# D = 128's tensor-core grid: (blocks per SM its registers are budgeted for, stages of its code ring, warps per block),
+# compiled in (score_codes.cu's MMA_MIN_BLOCKS_K8, MMA_DEPTH_K8, MMA_WARPS_K8); benchmarks/scoring.py compares settings.
+# 4 blocks and 3 stages scored 128K tokens at batch 23 in 0.863 ms per layer against 0.911 with 5 stages and 0.871 at
+# 5 blocks and 3 stages on an H200 machine (results/scoring_cuda_imma.md).
+MMA_K8_GRID = (4, 3, 4)
 
 
 def check_mma_k8_grid(grid: tuple[int, ...]) -> None:
-    """Refuse a D = 128 tensor-core grid that does not compile: (blocks per SM 1-8, code-ring stages 2-5; more stages
-    overflow static shared memory)."""
-    if len(grid) != 2 or not (1 <= grid[0] <= 8 and 2 <= grid[1] <= 5):
-        raise ValueError(f"MMA_K8_GRID takes (blocks per SM 1-8, code-ring stages 2-5), e.g. (4, 5); got {grid!r}.")
+    """Refuse a D = 128 tensor-core grid that does not compile: (blocks per SM 1-8, code-ring stages 2-5, warps per
+    block 4 or 8); more stages, or more than 2 with 8 warps, overflow static shared memory."""
+    ok = len(grid) == 3 and 1 <= grid[0] <= 8 and grid[2] in (4, 8) and 2 <= grid[1] <= (5 if grid[2] == 4 else 2)
+    if not ok:
+        raise ValueError(
+            "MMA_K8_GRID takes (blocks per SM 1-8, code-ring stages 2-5, warps per block 4 or 8; 2 stages at most "
+            f"with 8 warps), e.g. (4, 3, 4); got {grid!r}."
+        )
 
 
 def _kernels(device: torch.device):
     check_mma_k8_grid(MMA_K8_GRID)
-    blocks, depth = MMA_K8_GRID
-    return load_kernels("score_codes", device, (("MMA_MIN_BLOCKS_K8", blocks), ("MMA_DEPTH_K8", depth)))
+    blocks, depth, warps = MMA_K8_GRID
+    defines = (("MMA_MIN_BLOCKS_K8", blocks), ("MMA_DEPTH_K8", depth), ("MMA_WARPS_K8", warps))
+    return load_kernels("score_codes", device, defines)
 
 
 @functools.cache
@@ -295,7 +300,7 @@ def _code_scores_mma(
     kernels.launch(
         f"code_states_mma_k{m // 4}_g{4 if group <= 4 else 8}",  # two MMAs per k-tile up to 4 query heads, else three
         grid=(tiles, heads, batch),
-        block=(_MMA_THREADS, 1, 1),
+        block=(32 * MMA_K8_GRID[2] if m == 32 else _MMA_THREADS, 1, 1),
         args=[part_max, part_sum, exps, group_max, *inputs, (heads, i32), (group, i32), (num, i32)],
     )
     fill32 = (float(fill), ctypes.c_float)
