@@ -229,13 +229,23 @@ CODE_LOGITS_ALL_G(8)
 /// \brief Add a group of base-2 logits, given as their max `g` and the sum of 2^(logit - g), to a base-2 softmax
 /// state; a group with nothing selectable (g = -inf) adds nothing.
 __device__ __forceinline__ void add_group2(float& m, float& s, float g, float sum) {
-    if (g == NEG_INF) return;
-    if (g > m) {
-        s = s * exp2_ftz(m - g) + sum;  // m = -inf at first: s = 0
-        m = g;
-    } else {
-        s += sum * exp2_ftz(g - m);
-    }
+    // Without branches (code_states_mma overlaps two groups' work only within one basic block): the new max's two
+    // exponentials; while both maxima are -inf nothing has been added and s stays 0.
+    const float hi = fmaxf(m, g);
+    const float t = fmaf(s, exp2_ftz(m - hi), sum * exp2_ftz(g - hi));
+    s = hi == NEG_INF ? s : t;
+    m = hi;
+}
+
+/// \brief Stores that a predicate guards without a branch (a branch would end the basic block that code_states_mma's
+/// scheduler interleaves two groups in).
+__device__ __forceinline__ void store_if(unsigned* p, unsigned v, bool pred) {
+    asm volatile("{ .reg .pred q; setp.ne.u32 q, %2, 0; @q st.global.u32 [%0], %1; }" ::"l"(p), "r"(v),
+                 "r"((unsigned)pred));
+}
+__device__ __forceinline__ void store_if(float* p, float x, float y, bool pred) {
+    asm volatile("{ .reg .pred q; setp.ne.u32 q, %3, 0; @q st.global.v2.f32 [%0], {%1, %2}; }" ::"l"(p), "f"(x),
+                 "f"(y), "r"((unsigned)pred));
 }
 
 /// \brief The CPT code bytes of one token at `p` (shared memory, CPT-byte aligned) as CPT/4 words.
@@ -408,9 +418,19 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     float* out_g = gmaxes + rh * groups * (2 * pairs) + (size_t)(first >> 4) * (2 * pairs) + col0;
     const int out_step = STRIDE * pairs, gmax_step = STRIDE / 16 * (2 * pairs);
     float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's base-2 states of columns col0, col1
-#pragma unroll
-    for (int i = 0; i < DEPTH - 1; ++i) issue();
-    for (int it = 0, na = first + gid; it < iters; ++it, na += STRIDE) {
+
+    // One group of 16 tokens: its MMAs (`score`), then its logits, maxima, exponentials and states (`finish`). The loop
+    // finishes group i - 1 after scoring group i: the two chains do not depend on each other, so the scheduler
+    // overlaps the previous group's shuffles and exponentials with this group's table reads and MMAs (one group per
+    // iteration left the issue slot idle on their latencies). `finish` has no branches for the same reason: its
+    // stores are predicated and add_group2 selects.
+    struct Group {
+        int acc[PARTS][4];
+        float scale_a, scale_b;  // PACKED: scale_a is the scale of this lane's own token
+        bool ok_a, ok_b, in_a, in_b;
+    };
+    int na = first + gid;
+    auto score = [&](Group& gr) {
         issue();
         cp_async_wait<DEPTH - 1>();
         const int nb = na + 8;
@@ -418,17 +438,27 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         load_words<CPT>(ring_a + slot_out * 16 * M, wa);
         load_words<CPT>(ring_a + slot_out * 16 * M + 8 * M, wb);
         slot_out = slot_out == DEPTH - 1 ? 0 : slot_out + 1;
-        // PACKED: lanes tq < 2 finish token na and lanes tq >= 2 token nb (the epilogue below), so each reads its own
-        // token's norm; otherwise every lane finishes both.
-        const int nm = PACKED && tq >= 2 ? nb : na;
-        const bool in_a = na < n1, in_b = nb < n1, in_m = nm < n1;
-        const unsigned short ha = PACKED ? 0 : in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
-        const unsigned short hb = PACKED ? 0 : in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
-        const unsigned short hm = PACKED ? (in_m ? norm_bits[nm - n0] : NOT_SELECTABLE) : 0;
-        const bool ok_a = ha != NOT_SELECTABLE, ok_b = hb != NOT_SELECTABLE, ok_m = hm != NOT_SELECTABLE;
-        const float scale_a = f16_value(ha) * unit, scale_b = f16_value(hb) * unit, scale_m = f16_value(hm) * unit;
-
-        int acc[PARTS][4] = {};
+        if constexpr (PACKED) {  // lanes tq < 2 finish token na, lanes tq >= 2 token nb: each reads its own norm
+            const int nm = tq >= 2 ? nb : na;
+            gr.in_a = nm < n1;
+            const unsigned short h = gr.in_a ? norm_bits[nm - n0] : NOT_SELECTABLE;
+            gr.ok_a = h != NOT_SELECTABLE;
+            gr.scale_a = f16_value(h) * unit;
+        } else {
+            gr.in_a = na < n1;
+            gr.in_b = nb < n1;
+            const unsigned short ha = gr.in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
+            const unsigned short hb = gr.in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
+            gr.ok_a = ha != NOT_SELECTABLE;
+            gr.ok_b = hb != NOT_SELECTABLE;
+            gr.scale_a = f16_value(ha) * unit;
+            gr.scale_b = f16_value(hb) * unit;
+        }
+        na += STRIDE;
+#pragma unroll
+        for (int part = 0; part < PARTS; ++part)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) gr.acc[part][i] = 0;
 #pragma unroll
         for (int t = 0; t < NK; ++t) {
             // Codes 2t and 2t+1 of this thread's CPT: bytes 2(t%2) and 2(t%2)+1 of word t/2; byte b of a word is
@@ -440,22 +470,28 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                    *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xa, 0, sel1) >> 1)),
                                    *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xb, 0, sel1) >> 1))};
 #pragma unroll
-            for (int part = 0; part < PARTS; ++part) imma_m16n8k32(acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
+            for (int part = 0; part < PARTS; ++part)
+                imma_m16n8k32(gr.acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
         }
-        constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
-        const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
+    };
+    constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
+    const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
+    auto finish = [&](const Group& gr) {
+        const int(&acc)[PARTS][4] = gr.acc;
         if constexpr (PACKED) {
             // Lanes tq and tq^2 hold the hi and the mid digits of the same two heads for both tokens. One exchange of
             // two words leaves lane tq < 2 all three digits of token na and lane tq^2 those of token nb, so each lane
-            // finishes two logits, not four (the loop issues ~50 fewer instructions per 16 tokens).
+            // finishes two logits, not four.
             const bool low = tq < 2;
             const int got0 = __shfl_xor_sync(0xffffffffu, low ? acc[0][2] : acc[0][0], 2);
             const int got1 = __shfl_xor_sync(0xffffffffu, low ? acc[0][3] : acc[0][1], 2);
             const int hi0 = low ? acc[0][0] : got0, mid0 = low ? got0 : acc[0][2], lo0 = low ? acc[1][0] : acc[1][2];
             const int hi1 = low ? acc[0][1] : got1, mid1 = low ? got1 : acc[0][3], lo1 = low ? acc[1][1] : acc[1][3];
             // mid * 2^8 + lo is exact in int32 (|mid dot| < 2^22); the hi digit joins it in one fp32 rounding.
-            const float l0 = ok_m ? fmaf((float)hi0, 65536.f, (float)(mid0 * 256 + lo0)) * k0 * scale_m : NEG_INF;
-            const float l1 = ok_m ? fmaf((float)hi1, 65536.f, (float)(mid1 * 256 + lo1)) * k1 * scale_m : NEG_INF;
+            // Computed for every token, then selected (a conditional expression here became a branch).
+            const float r0 = fmaf((float)hi0, 65536.f, (float)(mid0 * 256 + lo0)) * k0 * gr.scale_a;
+            const float r1 = fmaf((float)hi1, 65536.f, (float)(mid1 * 256 + lo1)) * k1 * gr.scale_a;
+            const float l0 = gr.ok_a ? r0 : NEG_INF, l1 = gr.ok_a ? r1 : NEG_INF;
             // Each column's max over the group's 16 tokens: lanes tq and tq^2 (tokens na, nb), then the 8 row groups.
             float g0 = l0, g1 = l1;
 #pragma unroll
@@ -465,18 +501,17 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             }
             // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
             const float e0 = g0 == NEG_INF ? 0.f : exp2_ftz(l0 - g0), e1 = g1 == NEG_INF ? 0.f : exp2_ftz(l1 - g1);
-            if (col0 < G) {
-                if (in_m) out_a[low ? 0 : 8 * pairs] = ok_m ? pack_f16x2(e0 * UP, e1 * UP) : marked;
-                if (gid == 0 && low) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
-            }
+            const unsigned word = gr.ok_a ? pack_f16x2(e0 * UP, e1 * UP) : marked;
+            store_if(out_a + (low ? 0 : 8 * pairs), word, col0 < G && gr.in_a);
+            store_if(out_g, g0, g1, col0 < G && gid == 0 && low);
             add_group2(m0, s0, g0, e0);  // lane tq^2 adds token nb's to its copy of the state: merged at the end
             add_group2(m1, s1, g1, e1);
         } else {
             float c[4];  // (token na, col0), (na, col1), (nb, col0), (nb, col1)
 #pragma unroll
             for (int i = 0; i < 4; ++i) c[i] = fmaf((float)acc[0][i], 65536.f, (float)(acc[1][i] * 256 + acc[PARTS - 1][i]));
-            const float la0 = ok_a ? c[0] * k0 * scale_a : NEG_INF, la1 = ok_a ? c[1] * k1 * scale_a : NEG_INF;
-            const float lb0 = ok_b ? c[2] * k0 * scale_b : NEG_INF, lb1 = ok_b ? c[3] * k1 * scale_b : NEG_INF;
+            const float la0 = gr.ok_a ? c[0] * k0 * gr.scale_a : NEG_INF, la1 = gr.ok_a ? c[1] * k1 * gr.scale_a : NEG_INF;
+            const float lb0 = gr.ok_b ? c[2] * k0 * gr.scale_b : NEG_INF, lb1 = gr.ok_b ? c[3] * k1 * gr.scale_b : NEG_INF;
             // Each column's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4) of the quad lane.
             float g0 = fmaxf(la0, lb0), g1 = fmaxf(la1, lb1);
 #pragma unroll
@@ -486,16 +521,26 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             }
             const float ea0 = g0 == NEG_INF ? 0.f : exp2_ftz(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : exp2_ftz(lb0 - g0);
             const float ea1 = g1 == NEG_INF ? 0.f : exp2_ftz(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : exp2_ftz(lb1 - g1);
-            if (writes) {
-                if (in_a) *out_a = ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked;
-                if (in_b) out_a[8 * pairs] = ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked;
-                if (gid == 0) *reinterpret_cast<float2*>(out_g) = make_float2(g0, g1);
-            }
+            store_if(out_a, gr.ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked, writes && gr.in_a);
+            store_if(out_a + 8 * pairs, gr.ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked, writes && gr.in_b);
+            store_if(out_g, g0, g1, writes && gid == 0);
             add_group2(m0, s0, g0, ea0 + eb0);
             add_group2(m1, s1, g1, ea1 + eb1);
         }
         out_a += out_step;
         out_g += gmax_step;
+    };
+#pragma unroll
+    for (int i = 0; i < DEPTH - 1; ++i) issue();
+    if (iters > 0) {
+        Group prev, cur;
+        score(prev);
+        for (int it = 1; it < iters; ++it) {
+            score(cur);
+            finish(prev);
+            prev = cur;
+        }
+        finish(prev);
     }
     cp_async_wait<0>();
 
