@@ -324,7 +324,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     constexpr int PARTS = PACKED ? 2 : 3;  // MMAs per k-tile
     // Stages of the code ring; under 48 KiB of static shared memory in all (the table takes 32 KiB).
     constexpr int DEPTH = CPT == 16 ? 2 : CPT == 8 ? MMA_DEPTH_K8 : 5;
-    __shared__ unsigned table[256 * MMA_COPIES];
+    __shared__ __align__(16) unsigned table[256 * MMA_COPIES];
     __shared__ unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[THREADS / 32][DEPTH][16 * M];
     __shared__ float wm[THREADS / 32][8], ws[THREADS / 32][8];
@@ -333,14 +333,22 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     const int pairs = (G + 1) / 2, groups = (N + 15) / 16;  // Gp / 2 words per token; NG
     const size_t rh = (size_t)row * Hkv + head;
 
-    for (int i = threadIdx.x; i < 256 * MMA_COPIES; i += THREADS) table[i] = __ldg(points8 + i / MMA_COPIES);
+    // Every block fills its table before its first group: all of a thread's loads are issued at once (one round trip),
+    // and 16-byte stores of 4 copies (8 lanes write one entry's 128 bytes, so a store has no bank conflicts).
+    static_assert(256 * MMA_COPIES / 4 % THREADS == 0, "whole rounds of table stores");
+#pragma unroll
+    for (int j = 0; j < 256 * MMA_COPIES / 4 / THREADS; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        const unsigned v = __ldg(points8 + i / (MMA_COPIES / 4));
+        reinterpret_cast<uint4*>(table)[i] = make_uint4(v, v, v, v);
+    }
     // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
     // waits on no global load but the codes'.
     const int n0 = blockIdx.x * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
     {
         const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
         const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
-#pragma unroll 4
+#pragma unroll 16
         for (int n = n0 + threadIdx.x; n < n1; n += THREADS)
             norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
     }
