@@ -111,7 +111,8 @@ _MMA_CODES_PER_THREAD = (4, 8, 16)  # M / 4 for D = 64, 128, 256 at grid dim 4
 # D = 128's tensor-core grid: (blocks per SM its registers are budgeted for, stages of its code ring, warps per block),
 # compiled in (score_codes.cu's MMA_MIN_BLOCKS_K8, MMA_DEPTH_K8, MMA_WARPS_K8); benchmarks/scoring.py compares settings.
 # 4 blocks and 3 stages scored 128K tokens at batch 23 in 0.863 ms per layer against 0.911 with 5 stages and 0.871 at
-# 5 blocks and 3 stages on an H200 machine (results/scoring_cuda_imma.md).
+# 5 blocks and 3 stages on an H200 machine (results/scoring_cuda_imma.md); 8 warps per block sharing one table took
+# 0.94-1.04 ms against 0.80 at batch 22 on an H100 machine (results/scoring_128k_grids_warps_h100.md).
 MMA_K8_GRID = (4, 3, 4)
 
 
