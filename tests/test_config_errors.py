@@ -54,6 +54,12 @@ BAD_VALUES = [
     ({"mode": "yakv", "device_record_share": -0.1}, "device_record_share"),
     ({"mode": "yakv", "device_record_share": "half"}, "device_record_share"),
     ({"mode": "yakv", "device_record_share": True}, "device_record_share"),
+    # A setting the mode does not read, changed from its default, is refused rather than ignored.
+    ({"recent_window": 16}, "recent_window"),
+    ({"host_grid_dim": 4}, "host_grid_dim"),
+    ({"score_grid_dim": 2}, "score_grid_dim"),
+    ({"mode": "yakv", "chunk_size": 4}, "chunk_size"),
+    ({"mode": "yakv", "local_window": 16}, "local_window"),
 ]
 
 

@@ -35,6 +35,21 @@ _YAKV_BUDGET_SHARE = 0.03125
 _YAKV_BUDGET_FLOOR = 512
 MODES = ("shadowkv", "yakv")
 _GRID_DIMS = (2, 4, 8)  # as shadowkv_cache.quant.GRID_DIMS (not imported: the config stays free of torch)
+# Per mode, the settings of the other mode that it does not read, with the fix its error gives.
+_OTHER_MODES_SETTINGS = {
+    "shadowkv": {
+        "recent_window": "it is YAKV's exact recent tokens; ShadowKV keeps `local_window` tokens exact: set that, "
+        "or use mode='yakv'.",
+        "host_grid_dim": "it sets YAKV's host records; ShadowKV's values take `value_format`: set that, or use "
+        "mode='yakv'.",
+        "score_grid_dim": "it sets YAKV's scoring codes; ShadowKV scores chunk landmarks: leave it, or use "
+        "mode='yakv'.",
+    },
+    "yakv": {
+        "chunk_size": "YAKV mode selects tokens, not chunks; leave it at its default.",
+        "local_window": "YAKV mode keeps `recent_window` tokens exact (default 64): set that instead.",
+    },
+}
 
 
 def _is_number(x: object) -> bool:
@@ -211,6 +226,10 @@ class ShadowKVConfig:
             raise bad("device_record_share", share, "use a share of the prompt's tokens in [0, 1] (0: none mirrored).")
         if self.mode != "yakv" and share:
             raise bad("device_record_share", share, "it mirrors YAKV's host records on the GPU: use mode='yakv', or 0.")
+        # A setting of the other mode, changed from its default, would be ignored: refused so that none is silent.
+        for name, fix in _OTHER_MODES_SETTINGS[self.mode].items():
+            if getattr(self, name) != _DEFAULTS[name]:
+                raise bad(name, getattr(self, name), fix)
         if self.mode == "yakv":
             if self.rank not in (None, *RANK_RULES):
                 raise bad("rank", self.rank, "YAKV mode has no low-rank keys; leave it at its default.")
@@ -288,6 +307,9 @@ class ShadowKVConfig:
             budget = self.sparse_budget
         budget_chunks = min(math.ceil(budget / c), num_chunks - outliers)
         return ResolvedSizes(num_chunks, rank, budget_chunks, outliers, local, floor, max_error, max_shift)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ShadowKVConfig)}
 
 
 @dataclass(frozen=True)
