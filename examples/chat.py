@@ -21,6 +21,7 @@ the document's prefix file), /help, /quit. Prompts shorter than `--min-compress-
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from shadowkv_cache import PrefixCacheError, ShadowKVCache
+from shadowkv_cache import PrefixCacheError, ShadowKVCache, ShadowKVConfig
 
 HELP = """Commands:
   /reset   forget the conversation (the document stays loaded)
@@ -107,16 +108,18 @@ class StopFlag(StoppingCriteria):
 class ChatSession:
     def __init__(self, model, tokenizer, args):
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        # The settings that shape a compressed document, defaults included, so that a saved prefix made with other
+        # ones is refused (and the document prefilled again) rather than loaded with its own.
+        defaults = ShadowKVConfig()
         self.options = {
-            k: v
-            for k, v in {
-                "mode": args.mode,
-                "min_compress_len": args.min_compress_len,
-                "rank": args.rank,
-                "sparse_budget": args.sparse_budget,
-            }.items()
-            if v is not None
+            "mode": args.mode or defaults.mode,
+            "min_compress_len": args.min_compress_len or defaults.min_compress_len,
+            "rank": args.rank if args.rank is not None else defaults.rank,
         }
+        if args.sparse_budget is not None:
+            self.options["sparse_budget"] = args.sparse_budget
+        if not args.document:  # nothing to compress: the conversation stays exact, which needs no notice
+            logging.getLogger("shadowkv_cache").addFilter(lambda record: "kept the prompt exact" not in record.msg)
         text = args.document.read_text() if args.document else None
         self.conversation = Conversation(tokenizer, text)
         self.document: ShadowKVCache | None = None  # the document alone; each conversation forks it
@@ -136,7 +139,7 @@ class ChatSession:
                 print(f"Loaded the {len(ids)}-token document from {saved} in {time.perf_counter() - start:.1f} s.")
                 return document
             except PrefixCacheError as err:
-                print(f"Not using {saved}: {err}. Prefilling the document instead.")
+                print(f"Not using {saved}: {str(err).rstrip('.')}. Prefilling the document instead.")
         start = time.perf_counter()
         document = ShadowKVCache.prefill(self.model, ids, progress=True, **self.options)
         report = document.memory_report()
@@ -240,6 +243,16 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def setting(text: str) -> int | float | str:
+    """A numeric setting as ShadowKVConfig takes it: an int, a float share, or a rule name ("auto")."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def turns_from(args) -> list[str] | None:
     """The user turns of a non-interactive run (`--turns FILE`, or stdin when it is not a terminal), else None."""
     if args.turns is not None:
@@ -267,9 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=["shadowkv", "yakv"],
         help="yakv: 4-bit keys and values, tokens selected one by one, for context-intensive questions (docs/yakv.md)",
     )
-    parser.add_argument("--rank", type=int, help="rank of the key factors (default: chosen per layer)")
-    parser.add_argument("--sparse-budget", type=int, help="tokens selected per KV head and step")
+    parser.add_argument(
+        "--rank", type=setting, help="rank of the key factors: an int, a share of Hkv*D in (0, 1], or auto (default)"
+    )
+    parser.add_argument(
+        "--sparse-budget", type=setting, help="tokens selected per KV head and step: an int, or a share in (0, 1)"
+    )
     args = parser.parse_args(argv)
+    if args.document is not None and not args.document.is_file():
+        parser.error(f"--document {args.document}: no such file.")
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
 
     model, tokenizer = load_model(args.model, args.device, dtype)

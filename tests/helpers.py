@@ -272,9 +272,13 @@ def decoded_in_graphs(cache) -> bool:
 
 
 def assert_logits_close(actual, expected, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """Per-step logits (tuples of `[B, V]`) equal within fp32 round-off (rtol 1e-4)."""
+    """Per-step logits (tuples of `[B, V]`) equal within fp32 round-off: rtol 1e-4, and `atol` per unit of the
+    largest expected logit. The round-off of keys rebuilt from full-rank factors grows with the logits' scale, so
+    a logit near zero in a step whose logits reach 4 can differ by ~1e-5 (one seed on one CPU: 1.35e-5)."""
     assert len(actual) == len(expected), f"{len(actual)} steps vs {len(expected)}"
-    torch.testing.assert_close(torch.stack(list(actual)), torch.stack(list(expected)), rtol=rtol, atol=atol)
+    actual, expected = torch.stack(list(actual)), torch.stack(list(expected))
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale)
 
 
 def assert_every_token_reachable_once(

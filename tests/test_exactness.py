@@ -204,3 +204,19 @@ def test_prompt_of_exactly_min_compress_len_is_compressed():
     out = generate_with(model, ids, cache, max_new_tokens=8)
     assert_same_generation(out, ref)
     assert all(layer.is_compressed for layer in cache.layers)
+
+
+def test_a_float64_model_is_served_at_full_budget():
+    """Landmarks, norms and similarities sum in fp32 for 16- and 32-bit keys; a float64 model's keys keep their own
+    precision (torch refuses to sum them in fp32) and decode as `DynamicCache` does."""
+    model = tiny_model("llama")
+    ids = random_prompt(300, seed=9)
+    try:
+        model.to(torch.float64)
+        ref = generate_with(model, ids, dynamic_cache(model))
+        cache = ShadowKVCache(model, **full_budget_overrides())
+        out = generate_with(model, ids, cache)
+    finally:
+        model.to(torch.float32)  # the shared tiny model
+    assert_same_generation(out, ref)
+    assert_full_selection_ran(cache, decode_steps=NEW_TOKENS - 1)

@@ -389,10 +389,19 @@ def test_save_needs_a_cache_that_holds_only_the_document(tmp_path, document, que
     with pytest.raises(PrefixCacheError, match="exactly the"):
         used.save_prefix(tmp_path / "x.safetensors", input_ids=document)
     plain = ShadowKVCache(model, **small_budget_overrides())
-    forward_with(model, document[None], plain)  # a plain forward: the ids must be given
+    forward_with(model, document[None], plain)  # a plain forward: the cache knows the ids it fed
+    other = document.clone()
+    other[7] = (other[7] % 100) + 1
+    with pytest.raises(PrefixCacheError, match="not the document this cache holds"):
+        plain.save_prefix(tmp_path / "x.safetensors", input_ids=other)
+    plain.save_prefix(tmp_path / "x.safetensors")
+    assert torch.equal(ShadowKVCache.load_prefix(model, tmp_path / "x.safetensors").prefix_ids, document)
+    embedded = ShadowKVCache(model, **small_budget_overrides())
+    with torch.no_grad():  # filled from embeddings: the ids must be given
+        forward_with(model, None, embedded, inputs_embeds=model.get_input_embeddings()(document[None]))
     with pytest.raises(PrefixCacheError, match="needs the document's ids"):
-        plain.save_prefix(tmp_path / "x.safetensors")
-    plain.save_prefix(tmp_path / "x.safetensors", input_ids=document)
+        embedded.save_prefix(tmp_path / "y.safetensors")
+    embedded.save_prefix(tmp_path / "y.safetensors", input_ids=document)
     assert ShadowKVCache.load_prefix(model, tmp_path / "x.safetensors").get_seq_length() == DOC
     with pytest.raises(PrefixCacheError, match="one-row"):
         ShadowKVCache.prefill(model, document, **small_budget_overrides()).fork(2).save_prefix(tmp_path / "y")
@@ -427,3 +436,12 @@ def test_the_file_holds_no_pickle_and_documents_itself(saved):
     assert meta["policy"]["name"] == "LandmarkTopK" and "landmarks" in meta["policy"]["state"]
     assert {"token_ids", "layers.0.a", "layers.1.host_values", "layers.1.policy.landmarks"} <= names
     assert b"\x80\x04" not in path.read_bytes()[:64]  # safetensors, not a pickle
+
+
+def test_save_to_a_directory_or_a_missing_folder_says_so(tmp_path, saved):
+    _, doc = saved
+    with pytest.raises(PrefixCacheError, match="is a directory"):
+        doc.save_prefix(tmp_path)
+    with pytest.raises(PrefixCacheError, match="folder that does not exist"):
+        doc.save_prefix(tmp_path / "missing" / "doc.safetensors")
+    assert list(tmp_path.iterdir()) == []

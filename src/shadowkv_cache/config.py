@@ -226,10 +226,6 @@ class ShadowKVConfig:
             raise bad("device_record_share", share, "use a share of the prompt's tokens in [0, 1] (0: none mirrored).")
         if self.mode != "yakv" and share:
             raise bad("device_record_share", share, "it mirrors YAKV's host records on the GPU: use mode='yakv', or 0.")
-        # A setting of the other mode, changed from its default, would be ignored: refused so that none is silent.
-        for name, fix in _OTHER_MODES_SETTINGS[self.mode].items():
-            if getattr(self, name) != _DEFAULTS[name]:
-                raise bad(name, getattr(self, name), fix)
         if self.mode == "yakv":
             if self.rank not in (None, *RANK_RULES):
                 raise bad("rank", self.rank, "YAKV mode has no low-rank keys; leave it at its default.")
@@ -253,6 +249,10 @@ class ShadowKVConfig:
                             f"YAKV's Hadamard quantiser needs a power-of-two head dim divisible by {name}="
                             f"{getattr(self, name)}; this model's is {head_dim}. Use mode='shadowkv'.",
                         )
+        # A setting of the other mode, changed from its default, would be ignored: refused so that none is silent.
+        for name, fix in _OTHER_MODES_SETTINGS[self.mode].items():
+            if getattr(self, name) != _DEFAULTS[name]:
+                raise bad(name, getattr(self, name), fix)
 
     def resolve(self, num_tokens: int, key_dim: int) -> ResolvedSizes:
         """Sizes for one row of `num_tokens` real prompt tokens and a key dim of `key_dim = Hkv*D`.

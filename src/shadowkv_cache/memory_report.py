@@ -54,6 +54,19 @@ class MemoryReport:
     # step.
     hit_rate: float | None
 
+    @classmethod
+    def of_layers(cls, layers) -> MemoryReport:
+        """The report of a cache's layers (each with `kind()`, `nbytes()`, `hit_counts()` and its keys' device)."""
+        per_layer, hits, lookups = [], 0, 0
+        for i, layer in enumerate(layers):
+            mode, rank, budget = layer.kind()
+            where = str(layer.keys.device) if layer.is_initialized else None
+            per_layer.append(LayerMemory(i, mode, *layer.nbytes(), rank, budget, where))
+            counts = layer.hit_counts()
+            if counts is not None:
+                hits, lookups = hits + counts[0], lookups + counts[1]
+        return cls(tuple(per_layer), hits / lookups if lookups else None)
+
     @property
     def gpu_bytes(self) -> int:
         return sum(m.gpu_bytes for m in self.layers)

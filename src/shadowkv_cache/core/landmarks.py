@@ -19,10 +19,15 @@ __all__ = ["chunk_landmarks", "outlier_chunks", "quantize_landmarks"]
 _EPS = 1e-8  # F.cosine_similarity's
 
 
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """fp32 sums for 16- and 32-bit keys; a float64 model keeps its own precision (torch refuses to narrow it)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def chunk_landmarks(chunk_keys: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mean key of each chunk: `[..., C, c, D]` -> `[..., C, D]`, summed in fp32 (without an fp32 copy of the keys)
     and returned in `dtype` (default: the keys')."""
-    return chunk_keys.mean(dim=-2, dtype=torch.float32).to(dtype or chunk_keys.dtype)
+    return chunk_keys.mean(dim=-2, dtype=_accumulation(chunk_keys.dtype)).to(dtype or chunk_keys.dtype)
 
 
 def quantize_landmarks(landmarks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +50,9 @@ def outlier_chunks(chunk_keys: torch.Tensor, landmarks: torch.Tensor, num_outlie
     heads, chunks, c, dim = chunk_keys.shape
     landmarks = landmarks.to(chunk_keys.dtype)
     dots = matmul_fp32(chunk_keys.reshape(heads * chunks, c, dim), landmarks.reshape(heads * chunks, dim, 1))
-    key_norms = torch.linalg.vector_norm(chunk_keys, dim=-1, dtype=torch.float32).clamp_min_(_EPS)  # [Hkv, C, c]
-    mark_norms = torch.linalg.vector_norm(landmarks, dim=-1, dtype=torch.float32).clamp_min_(_EPS)  # [Hkv, C]
+    acc = _accumulation(chunk_keys.dtype)
+    key_norms = torch.linalg.vector_norm(chunk_keys, dim=-1, dtype=acc).clamp_min_(_EPS)  # [Hkv, C, c]
+    mark_norms = torch.linalg.vector_norm(landmarks, dim=-1, dtype=acc).clamp_min_(_EPS)  # [Hkv, C]
     sim = dots.view(heads, chunks, c) / (key_norms * mark_norms[..., None])
     worst = sim.min(dim=-1).values  # [Hkv, C]
     return worst.topk(num_outliers, dim=-1, largest=False).indices

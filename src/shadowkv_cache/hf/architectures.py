@@ -91,6 +91,11 @@ def model_type_of(model: nn.Module) -> str:
 
 def check_supported(model: nn.Module) -> str:
     """The model's architecture name, or a `ValueError` listing the supported ones."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            "ShadowKVCache needs the Transformers model it caches for (e.g. AutoModelForCausalLM.from_pretrained(...))"
+            f" as its first argument, got {type(model).__name__}."
+        )
     model_type = model_type_of(model)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

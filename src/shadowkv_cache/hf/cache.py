@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 
 from .. import prefix
 from ..config import ShadowKVConfig
-from ..memory_report import LayerMemory, MemoryReport
+from ..memory_report import MemoryReport
 from ..model_keys import key_dims
 from ..notices import Notices
 from ..placement import check_placement
@@ -26,6 +26,7 @@ from . import microbatch
 from .adapters import patch_model
 from .architectures import check_supported, sliding_windows
 from .decode_graph import GraphSwitch
+from .held_ids import HeldIds, TracksIds
 from .layer import CompressedLayer
 from .prefill import prefill as prefill_document
 from .sliding_layer import SlidingLayer
@@ -35,7 +36,7 @@ from .step_graph import StepGraphs
 __all__ = ["ShadowKVCache"]
 
 
-class ShadowKVCache(CheckedUpdates, Cache):
+class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
     """A KV cache that keeps long prompts compressed on the accelerator and their values in host memory.
 
     At prefill each layer keeps a low-rank factorisation of the pre-RoPE keys, chunk landmarks, a few exact
@@ -134,6 +135,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
         self._prefix_ids: torch.Tensor | None = None  # [S] the document this cache started from, if known
         self._prefix_checked = False
         self._prefilled: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, P] ids and mask of prefill_batch
+        self._held = HeldIds()  # the ids the rows hold, while known (hf/held_ids.py)
 
     @property
     def is_compileable(self) -> bool:
@@ -142,7 +144,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
     def reset(self) -> None:
         super().reset()
         self.step_graphs.reset()
-        self._prefix_ids, self._prefix_checked, self._prefilled = None, False, None
+        self._prefix_ids, self._prefix_checked, self._prefilled, self._held = None, False, None, HeldIds()
         self._state.broken = None  # a cache marked broken is usable again once empty
 
     # -- prefix reuse (format and checks in prefix/) -------------------------------------------------------
@@ -207,7 +209,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
 
         parts = microbatch.prefill_parts(model, ids, mask, micro_batch_size, part, progress)
         microbatch.join_parts(cache, parts, mask, cache.config.pin_memory)
-        cache._prefilled = (ids, mask)
+        cache._prefilled, cache._held = (ids, mask), HeldIds(ids)
         return cache
 
     @property
@@ -223,23 +225,24 @@ class ShadowKVCache(CheckedUpdates, Cache):
 
         Args:
             path (`str` or `os.PathLike`): the file to write (replaced if it exists).
-            input_ids (`torch.Tensor`, *optional*): the document's ids (`[S]` or `[1, S]`); needed only when the
-                cache was filled by a plain forward rather than `prefill`/`load_prefix`. The cache must hold
-                exactly these tokens: save before generating.
+            input_ids (`torch.Tensor`, *optional*): the document's ids (`[S]` or `[1, S]`), which the cache must
+                hold exactly (save before generating); needed only when it was filled from embeddings.
             key (`bytes`, *optional*): sign with HMAC-SHA256 under this key (`load_prefix` then needs it); without
                 a key the file's SHA-256 digests detect damage, not a deliberate change.
         """
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
-        if input_ids is None and self._prefix_ids is None:
+        known = self._prefix_ids if self._prefix_ids is not None else self._held.ids  # what a plain forward fed
+        known = known if known is None or known.dim() == 1 or len(known) == 1 else None  # more rows: refused below
+        if input_ids is None and known is None:
             raise prefix.PrefixCacheError(
-                "save_prefix needs the document's ids: pass input_ids=..., or make the cache with "
-                "ShadowKVCache.prefill(model, ids)."
+                "save_prefix needs the document's ids (this cache was not filled from ids): pass input_ids=..., or "
+                "make the cache with ShadowKVCache.prefill(model, ids)."
             )
-        ids = prefix.as_prefix_ids(input_ids if input_ids is not None else self._prefix_ids)
-        if self._prefix_ids is not None and not torch.equal(ids, self._prefix_ids):
-            raise prefix.PrefixCacheError("input_ids are not the document this cache was prefilled with.")
+        ids = prefix.as_prefix_ids(input_ids if input_ids is not None else known)
+        if known is not None and len(ids) == known.shape[-1] and not torch.equal(ids, prefix.as_prefix_ids(known)):
+            raise prefix.PrefixCacheError("input_ids are not the document this cache holds (was prefilled with).")
         with self._state.using():  # not while another thread's call changes the layers, nor when broken
             layers = [
                 (layer.prompt, layer.keys, layer.values, layer.get_seq_length() if layer.is_initialized else 0)
@@ -266,8 +269,8 @@ class ShadowKVCache(CheckedUpdates, Cache):
         before anything is built; a mismatch raises `PrefixCacheError` naming what differs. Only the decode-time
         settings (`sparse_budget`, `dense_multi_token_steps`, `pin_memory`, `cuda_graphs`, `compile_model_ops`) may
         differ from the saved config. ShadowKV's temporal cache starts empty; sliding-window layers start from the
-        saved window. `verify=False` skips the tensor digests and finiteness checks (1.5 s per GiB on one CPU core) for
-        a file you trust; `key` is the key a signed file was saved with; `policy` defaults to the mode's own.
+        saved window. `verify=False` skips the header and tensor digests and the finiteness check (1.5 s per GiB on
+        one CPU core) for a trusted file; `key` is a signed file's key; `policy` defaults to the mode's own.
         """
         windows = sliding_windows(model.config.get_text_config())  # unknown layer types raise here
         check_placement(model)  # before the file is read, as ShadowKVCache(model) would refuse it after
@@ -281,7 +284,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
                 layer.set_window(keys, values, seen)
             else:
                 layer.set_prefix(prompt, keys, values)
-        cache._prefix_ids = state.token_ids
+        cache._prefix_ids, cache._held = state.token_ids, HeldIds(state.token_ids[None])
         return cache
 
     def fork(self, batch_size: int = 1) -> ShadowKVCache:
@@ -310,8 +313,13 @@ class ShadowKVCache(CheckedUpdates, Cache):
         forked._graphs = GraphSwitch(self._graphs.enabled)
         forked.step_graphs = StepGraphs(forked._graphs, state, self.step_graphs.pieces)
         forked.layers = [layer.fork(batch_size, forked._graphs) for layer in self.layers]
-        forked._prefix_checked, forked._prefilled = False, None
+        forked._prefix_checked, forked._prefilled, forked._held = False, None, self._held.repeated(batch_size)
         return forked
+
+    def align_to(self, input_ids: torch.Tensor) -> None:
+        # A prefix or prefilled batch is checked on generate's first step instead, with its own errors.
+        if self._prefix_checked or (self._prefix_ids is None and self._prefilled is None):
+            super().align_to(input_ids)
 
     def check_prefix_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Called with the full ids (and mask) `generate` got: they must start with this cache's prefix, or with
@@ -330,15 +338,7 @@ class ShadowKVCache(CheckedUpdates, Cache):
 
     def memory_report(self) -> MemoryReport:
         """Device and host bytes per layer, per device and in total, the ratio to `DynamicCache`, and the hit rate."""
-        per_layer, hits, lookups = [], 0, 0
-        for i, layer in enumerate(self.layers):
-            mode, rank, budget = layer.kind()
-            where = str(layer.keys.device) if layer.is_initialized else None
-            per_layer.append(LayerMemory(i, mode, *layer.nbytes(), rank, budget, where))
-            counts = layer.hit_counts()
-            if counts is not None:
-                hits, lookups = hits + counts[0], lookups + counts[1]
-        return MemoryReport(tuple(per_layer), hits / lookups if lookups else None)
+        return MemoryReport.of_layers(self.layers)
 
     def __repr__(self) -> str:
         compressed = sum(layer.is_compressed for layer in self.layers)

@@ -163,13 +163,14 @@ class CacheState:
         """What each layer of `cache` holds now (and the cache's own record of its prefix), to go back to."""
         layers = list(cache.layers)
         states = [layer.checkpoint() for layer in layers]
-        return layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled
+        return layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled, cache._held.checkpoint()
 
     def roll_back(self, cache: Any, saved: tuple, error: BaseException | None, *, ran_on_device: bool = True) -> None:
         """Put `cache` back to `saved` after a failed call; if that fails too, mark it broken until `reset()`.
         `ran_on_device=False` (a failed CUDA-graph capture: kernels were recorded, none ran) keeps each layer's decode
         state, which only the host side of the call touched."""
-        layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled = saved
+        layers, states, cache._prefix_ids, cache._prefix_checked, cache._prefilled, held = saved
+        cache._held.restore(held)
         cache.step_graphs.reset()  # its graph was captured on layer state that is gone now
         try:
             cache.layers = layers

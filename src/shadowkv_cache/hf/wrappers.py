@@ -103,12 +103,22 @@ class CacheUse(InstanceWrapper):
         if scope is None:
             return self.__wrapped__(*args, **kwargs)
         with scope(self._owner()):
+            self.check(cache, args, kwargs)
             return self.__wrapped__(*args, **kwargs)
+
+    def check(self, cache: Any, args: tuple, kwargs: dict) -> None:
+        """What the call's inputs must satisfy before it runs, inside the scope (nothing changed yet)."""
+
+
+def _ids(args: tuple, kwargs: dict, name: str) -> torch.Tensor | None:
+    ids = args[0] if args else kwargs.get(name)
+    return ids if isinstance(ids, torch.Tensor) else None
 
 
 class ModelForward(CacheUse):
     """The model's forward: a call that gets a `ShadowKVCache` runs inside its use scope, through the cache's
-    `step_graphs` (which replay a one-token decode step as one CUDA graph where they can, hf/step_graph.py)."""
+    `step_graphs` (which replay a one-token decode step as one CUDA graph where they can, hf/step_graph.py). Its rows
+    must be the cache's, and the ids it feeds go on the cache's record (hf/held_ids.py)."""
 
     name = "forward"
 
@@ -119,11 +129,27 @@ class ModelForward(CacheUse):
             return super().__call__(*args, **kwargs)
         owner = self._owner()
         with scope(owner):
-            return graphs.run(cache, owner, self.__wrapped__, args, kwargs)
+            ids = _ids(args, kwargs, "input_ids")
+            given = ids if ids is not None else kwargs.get("inputs_embeds")
+            if isinstance(given, torch.Tensor) and given.dim() >= 2:
+                cache.check_rows(given.shape[0])
+            before = cache.get_seq_length()
+            out = graphs.run(cache, owner, self.__wrapped__, args, kwargs)
+            cache.record_call(ids, before)
+            return out
 
 
 class Generate(CacheUse):
+    """`generate`: the cache is made to hold a prefix of its ids, when they are known (`align_to`, hf/held_ids.py)."""
+
     name = "generate"
+
+    def check(self, cache: Any, args: tuple, kwargs: dict) -> None:
+        ids = _ids(args, kwargs, "inputs")
+        ids = ids if ids is not None else kwargs.get("input_ids")
+        align = getattr(cache, "align_to", None)
+        if align is not None and isinstance(ids, torch.Tensor):
+            align(ids)
 
 
 class PrepareInputs(InstanceWrapper):

@@ -146,6 +146,12 @@ def write_prefix(
         windows: per layer the sliding window, or None (`sliding_windows` of the model's config).
     """
     path = Path(path)
+    if path.is_dir() or not path.parent.is_dir():
+        raise PrefixCacheError(
+            f"save_prefix writes one file, and {str(path)!r} "
+            f"{'is a directory' if path.is_dir() else 'is in a folder that does not exist'}: pass a file path in an "
+            "existing folder, e.g. 'doc.safetensors'."
+        )
     key = integrity.check_key_option(key)
     length = len(token_ids)
     dims = model_dims(model)

@@ -22,7 +22,8 @@ def as_prefix_ids(input_ids) -> torch.Tensor:
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
         raise PrefixCacheError(
-            f"A prefix is one document: pass its token ids as [S] or [1, S] integers, got shape {tuple(ids.shape)}."
+            "A prefix is one document: pass its token ids as [S] or [1, S] integers, got shape "
+            f"{tuple(ids.shape)} of {ids.dtype}."
         )
     return ids.to("cpu", torch.int64)
 

@@ -1,0 +1,159 @@
+"""The token ids a cache's rows hold, while every call that filled them passed ids (docs/reliability.md).
+
+`generate` feeds the model only the ids past the cache's length: ids that do not start with the tokens the cache
+holds (another document, a question asked again of a cache that already answered one) would be answered as if they
+did, silently. With the ids the cache holds on record, `generate` refuses them, `save_prefix` refuses another
+document's ids, and a call with another number of rows gets an error naming the fix instead of a shape error deep in
+the model.
+
+The record follows every call of the patched model's `forward` that passes `input_ids` (one small copy per call, on
+the ids' device). A call that fills the cache otherwise (`inputs_embeds`, a submodule called directly, a synthetic
+fill) and a search that reorders rows (beams) leave the ids unknown, and the checks off, until `reset()`.
+
+Legend: B rows, L tokens held per row, T new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HeldIds", "TracksIds"]
+
+
+class HeldIds:
+    """The ids `[B, L]` a cache's rows hold, or unknown. Appends write in place past the current length (capacity
+    doubles), so a checkpoint is the buffer, its length and whether it is known.
+
+    Args:
+        ids (`torch.Tensor`, *optional*): `[B, L]` ids the cache holds already (a prefix, a prefilled batch).
+    """
+
+    def __init__(self, ids: torch.Tensor | None = None):
+        self._buffer = None if ids is None else ids.clone()
+        self._length = 0 if ids is None else ids.shape[-1]
+        self.known = True
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        """`[B, L]`, or None when unknown or empty."""
+        if not self.known or self._buffer is None:
+            return None
+        return self._buffer[:, : self._length]
+
+    def checkpoint(self) -> tuple:
+        return self._buffer, self._length, self.known
+
+    def restore(self, saved: tuple) -> None:
+        self._buffer, self._length, self.known = saved
+
+    def forget(self) -> None:
+        self._buffer, self._length, self.known = None, 0, False
+
+    def crop(self, length: int) -> None:
+        if self.known:
+            self._length = min(self._length, length)
+
+    def repeated(self, rows: int) -> HeldIds:
+        """A record for `rows` rows that each hold this one-row record's ids (`fork`)."""
+        ids = self.ids
+        if not self.known or ids is None or ids.shape[0] != 1:
+            made = HeldIds()
+            made.known = self.known and ids is None
+            return made
+        return HeldIds(ids.expand(rows, -1))
+
+    def record(self, ids: torch.Tensor | None, before: int, after: int) -> None:
+        """After a call that took the cache from `before` to `after` tokens per row, fed `ids` `[B, T]` (None: the
+        call passed embeddings)."""
+        if not self.known or after == before:
+            return
+        fits = ids is not None and ids.dim() == 2 and ids.shape[1] == after - before
+        if not fits or self._length != before or (self._buffer is not None and self._buffer.shape[0] != ids.shape[0]):
+            self.forget()
+            return
+        if self._buffer is None or self._buffer.shape[1] < after or self._buffer.device != ids.device:
+            grown = torch.empty((ids.shape[0], max(after, 2 * self._length, 64)), dtype=ids.dtype, device=ids.device)
+            if self._buffer is not None:
+                grown[:, : self._length].copy_(self._buffer[:, : self._length])
+            self._buffer = grown
+        self._buffer[:, before:after].copy_(ids)
+        self._length = after
+
+    def first_difference(self, input_ids: torch.Tensor) -> int | None:
+        """The first position where `input_ids` `[B, T]` differ from the held ids in any row (`min(L, T)` when one
+        starts the other), or None when the held ids are unknown or have other rows."""
+        held = self.ids
+        if held is None or input_ids.dim() != 2 or input_ids.shape[0] != held.shape[0]:
+            return None
+        n = min(held.shape[1], input_ids.shape[1])
+        differ = (input_ids[:, :n].to(held.device) != held[:, :n]).any(0)
+        return int(differ.int().argmax()) if bool(differ.any()) else n
+
+
+class TracksIds:
+    """What `ShadowKVCache` takes from this module, as a base placed before `transformers.Cache` (as
+    `state.CheckedUpdates`): the row and length operations keep the record of held ids in step with the layers, and
+    a call's rows are checked against the cache's. The cache sets `self._held` (a `HeldIds`)."""
+
+    _held: HeldIds
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._held.forget()  # the ids are not followed through a search's reorders
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._held.forget()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._held.forget()
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        self._held.crop(self.get_seq_length())
+
+    def check_rows(self, rows: int) -> None:
+        """Raise `ValueError` unless a call of `rows` rows may continue this cache (any, when it is empty)."""
+        held = next((layer.keys.shape[0] for layer in self.layers if layer.is_initialized), None)
+        if held is not None and rows != held:
+            raise ValueError(
+                f"This cache holds {held} row(s); the call has {rows}. A cache continues the rows it holds: pass "
+                f"{held} row(s), use fork(n) of a one-row prefilled document for n rows, or make a new cache "
+                "(or call cache.reset())."
+            )
+
+    def align_to(self, input_ids: torch.Tensor) -> None:
+        """Make the cache hold a prefix of `generate`'s `input_ids` `[B, T]` (when its ids are known): the tokens from
+        the first difference on are dropped (an earlier answer that tokenises otherwise when the conversation is
+        rendered again, a question asked again), and at least one id is left to feed. A difference inside the
+        compressed prompt, which cannot be dropped, raises `ValueError`."""
+        length = self.get_seq_length()
+        if length == 0 or self._held.ids is None or self._held.ids.shape[1] != length:
+            return
+        same = self._held.first_difference(input_ids)
+        if same is None:
+            return
+        keep = min(same, input_ids.shape[1] - 1)
+        if keep >= length:
+            return
+        given = input_ids.shape[1]
+        where = (
+            f"they are the first {given} of the {length} tokens it holds (at least one new token must be fed)"
+            if same == given
+            else f"they differ from the {length} tokens it holds at position {same}"
+        )
+        try:
+            self.crop(keep - length)
+        except (NotImplementedError, RuntimeError) as err:
+            raise ValueError(
+                f"input_ids do not continue this cache: {where}, and it cannot drop the tokens from there ({err}). "
+                "generate feeds the model only the ids after the cache's tokens, so the answer would follow the "
+                "cache's tokens, not these ids. Pass ids that start with the tokens the cache holds (the previous "
+                "call's output sequences, then the new turn), or use a new cache for another document (fork() of a "
+                "prefilled or loaded one)."
+            ) from None
+
+    def record_call(self, ids: torch.Tensor | None, before: int) -> None:
+        """After a call of the patched `forward` that found the cache at `before` tokens and passed `ids`."""
+        self._held.record(ids, before, self.get_seq_length())

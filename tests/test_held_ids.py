@@ -1,0 +1,149 @@
+"""The ids a cache holds (hf/held_ids.py): `generate` makes the cache hold a prefix of its ids (dropping exact tokens
+from the first difference on) or refuses ids that differ inside the compressed prompt; a call with other rows is
+refused naming the fix; `save_prefix` knows a plain forward's ids. The reference is a fresh cache (or
+`DynamicCache`) given the same ids: what `generate` should answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    dynamic_cache,
+    forward_with,
+    full_budget_overrides,
+    generate_with,
+    left_pad,
+    random_prompt,
+    small_budget_overrides,
+    tiny_model,
+)
+
+from shadowkv_cache import ShadowKVCache
+from shadowkv_cache.hf.held_ids import HeldIds
+
+PROMPT = 120  # compressed (min_compress_len 64)
+NEW = 5
+
+
+def answer(model, ids, cache, **kwargs):
+    return generate_with(model, ids, cache, max_new_tokens=NEW, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["shadowkv", "yakv"])
+def test_a_question_asked_of_a_document_that_answered_another_gets_a_fresh_forks_answer(mode):
+    model = tiny_model("llama")
+    settings = full_budget_overrides() if mode == "shadowkv" else {"mode": "yakv", "min_compress_len": 64}
+    doc = random_prompt(PROMPT, seed=1)
+    first, second = random_prompt(6, seed=2), random_prompt(9, seed=3)
+    cache = ShadowKVCache.prefill(model, doc, **settings)
+    answer(model, torch.cat([doc, first], 1), cache.fork())  # the document itself is left as it is
+    fresh = cache.fork()
+    answer(model, torch.cat([doc, first], 1), cache)
+    # The second question does not follow the first answer: the cache drops what came after the document.
+    got = answer(model, torch.cat([doc, second], 1), cache)
+    want = answer(model, torch.cat([doc, second], 1), fresh)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    again = answer(model, torch.cat([doc, second], 1), cache)  # the same ids again regenerate the answer
+    assert torch.equal(again.sequences, want.sequences)
+
+
+def test_a_conversation_rendered_again_with_other_tokens_gives_dynamic_caches_tokens():
+    model = tiny_model("llama")
+    doc, question, follow = random_prompt(PROMPT, seed=4), random_prompt(5, seed=5), random_prompt(4, seed=6)
+    cache = ShadowKVCache(model, **full_budget_overrides())
+    one = answer(model, torch.cat([doc, question], 1), cache)
+    rendered = one.sequences.clone()
+    rendered[0, -2] = (rendered[0, -2] % 50) + 1  # the answer tokenised otherwise when the chat is rendered again
+    ids = torch.cat([rendered, follow], 1)
+    got = answer(model, ids, cache)
+    want = answer(model, ids, dynamic_cache(model))
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_ids_that_differ_inside_the_compressed_prompt_are_refused_and_change_nothing():
+    model = tiny_model("llama")
+    doc, question = random_prompt(PROMPT, seed=9), random_prompt(5, seed=10)
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    one = answer(model, torch.cat([doc, question], 1), cache)
+    held = cache.get_seq_length()
+    other = doc.clone()
+    other[0, 30] = (other[0, 30] % 50) + 1
+    with pytest.raises(ValueError, match="position 30.*compressed"):  # the question is compressed too
+        answer(model, torch.cat([other, question], 1), cache)
+    with pytest.raises(ValueError, match=f"first {PROMPT} of the {held} tokens"):
+        answer(model, doc, cache)
+    assert cache.get_seq_length() == held
+    follow = random_prompt(3, seed=11)
+    got = answer(model, torch.cat([one.sequences, follow], 1), cache)  # the conversation goes on as if none came
+    fresh = ShadowKVCache(model, **small_budget_overrides())
+    answer(model, torch.cat([doc, question], 1), fresh)
+    want = answer(model, torch.cat([one.sequences, follow], 1), fresh)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_a_call_with_other_rows_is_refused_naming_the_fix_before_anything_changes():
+    model = tiny_model("llama")
+    ids = random_prompt(PROMPT, batch=2, seed=12)
+    cache = ShadowKVCache(model, **small_budget_overrides())
+    answer(model, ids, cache)
+    held = cache.get_seq_length()
+    with pytest.raises(ValueError, match=r"holds 2 row\(s\); the call has 1.*fork"):
+        answer(model, ids[:1], cache)
+    with pytest.raises(ValueError, match=r"holds 2 row\(s\); the call has 3"):
+        forward_with(model, random_prompt(1, batch=3), cache)
+    assert cache.get_seq_length() == held
+
+
+def test_padded_rows_continue_and_unknown_ids_turn_the_checks_off():
+    model = tiny_model("llama")
+    ids, mask = left_pad([random_prompt(PROMPT, seed=13)[0], random_prompt(PROMPT - 9, seed=14)[0]])
+    cache = ShadowKVCache(model, **full_budget_overrides())
+    one = answer(model, ids, cache, attention_mask=mask)
+    follow = random_prompt(3, batch=2, seed=15)
+    two_ids = torch.cat([one.sequences, follow], 1)
+    two_mask = torch.cat([mask, torch.ones_like(two_ids[:, mask.shape[1] :])], 1)
+    reference = dynamic_cache(model)
+    want_one = answer(model, ids, reference, attention_mask=mask)
+    want = answer(model, two_ids, reference, attention_mask=two_mask)
+    got = answer(model, two_ids, cache, attention_mask=two_mask)
+    assert torch.equal(want_one.sequences, one.sequences) and torch.equal(got.sequences, want.sequences)
+    # Filled from embeddings, the cache does not know its ids: nothing is checked or dropped.
+    embedded = ShadowKVCache(model, **full_budget_overrides())
+    forward_with(model, None, embedded, inputs_embeds=model.get_input_embeddings()(ids[:1]))
+    assert embedded._held.ids is None
+    answer(model, torch.cat([ids[:1], follow[:1]], 1), embedded)
+
+
+def test_beam_search_then_a_new_turn_is_not_refused():
+    model = tiny_model("llama")
+    ids = random_prompt(PROMPT, seed=16)
+    cache = ShadowKVCache(model, **full_budget_overrides())
+    reference = dynamic_cache(model)
+    got = answer(model, ids, cache, num_beams=2)
+    want = answer(model, ids, reference, num_beams=2)
+    assert torch.equal(got.sequences, want.sequences)
+    assert cache._held.ids is None  # the beams reordered the rows: no longer followed
+
+
+def test_held_ids_grow_crop_and_go_back_to_a_checkpoint():
+    held = HeldIds()
+    held.record(torch.arange(100)[None], 0, 100)
+    saved = held.checkpoint()
+    for step in range(100, 300):
+        held.record(torch.tensor([[step]]), step, step + 1)
+    assert torch.equal(held.ids, torch.arange(300)[None])
+    held.crop(250)
+    assert torch.equal(held.ids, torch.arange(250)[None])
+    held.restore(saved)
+    assert torch.equal(held.ids, torch.arange(100)[None])
+    held.record(torch.arange(5)[None], 90, 95)  # not where the record ends: no longer known
+    assert held.ids is None and not held.known
+    assert torch.equal(HeldIds(torch.arange(4)[None]).repeated(3).ids, torch.arange(4).expand(3, -1))
+    assert held.first_difference(torch.arange(4)[None]) is None
+    known = HeldIds(torch.arange(6)[None])
+    assert known.first_difference(torch.tensor([[0, 1, 2, 9, 4]])) == 3
+    assert known.first_difference(torch.arange(4)[None]) == 4
+    assert known.first_difference(torch.arange(9)[None]) == 6
