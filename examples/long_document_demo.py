@@ -130,7 +130,8 @@ def main() -> None:
         f"device {args.device}, {dtype}.\n"
     )
 
-    # The defaults: each layer's rank chosen from the prompt (rank="auto"), a 1024-token budget per KV head.
+    # The defaults: each layer's rank chosen from the prompt (rank="auto"), a budget of max(2048, 1.6% of the prompt)
+    # tokens per KV head, at most a quarter of the prompt (1500 at the default 6000 tokens).
     caches = {
         "DynamicCache": lambda: DynamicCache(config=model.config),
         "ShadowKVCache (defaults)": lambda: ShadowKVCache(model, **options),
