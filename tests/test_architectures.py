@@ -24,6 +24,7 @@ from helpers import (
     SLIDING_WINDOW,
     assert_left_padded_rows_reachable,
     assert_logits_close,
+    assert_within_bf16_noise,
     decoded_in_graphs,
     dynamic_cache,
     full_budget_overrides,
@@ -356,4 +357,6 @@ def test_bf16_full_budget_is_close_on_cuda(gpu_arch):
         # A router picks experts by top-k: one bf16 rounding that flips a token's expert moves its logits by O(1)
         # while the tokens hold (measured on Mixtral's tiny config); fp32 exactness on CUDA is the test above.
         return
-    torch.testing.assert_close(got.logits[1].float(), ref.logits[1].float(), rtol=0.05, atol=0.05)
+    # GPT-OSS's tiny config measured 0.0514 on an H100 machine and 0.0625 on a CPU, at logits of ~4 (where a bf16
+    # value's last bit is 0.016): rounding, which a per-element tolerance of 0.05 counted as a failure.
+    assert_within_bf16_noise(got.logits[1], ref.logits[1])
