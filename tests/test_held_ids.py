@@ -14,6 +14,7 @@ from helpers import (
     full_budget_overrides,
     generate_with,
     left_pad,
+    make_tiny_model,
     random_prompt,
     small_budget_overrides,
     tiny_model,
@@ -147,3 +148,67 @@ def test_held_ids_grow_crop_and_go_back_to_a_checkpoint():
     assert known.first_difference(torch.tensor([[0, 1, 2, 9, 4]])) == 3
     assert known.first_difference(torch.arange(4)[None]) == 4
     assert known.first_difference(torch.arange(9)[None]) == 6
+
+
+class Disconnect(Exception):
+    """A client that goes away while an answer streams."""
+
+
+class FailingStreamer:
+    def __init__(self, after: int):
+        self.left = after + 1  # the prompt comes first
+
+    def put(self, value):
+        self.left -= 1
+        if self.left < 0:
+            raise Disconnect
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("extra", [0, 150], ids=["short-turn", "turn-that-grows-the-record"])
+def test_a_call_that_fails_after_dropping_tokens_leaves_a_prefix_that_later_calls_continue(extra):
+    model = tiny_model("llama")
+    doc, question = random_prompt(PROMPT, seed=20), random_prompt(5, seed=21)
+    cache, reference = ShadowKVCache(model, **full_budget_overrides()), dynamic_cache(model)
+    one = answer(model, torch.cat([doc, question], 1), cache)
+    answer(model, torch.cat([doc, question], 1), reference)
+    rendered = one.sequences.clone()
+    rendered[0, -2] = (rendered[0, -2] % 50) + 1
+    with pytest.raises(Disconnect):  # the cache dropped its last tokens, then the call failed
+        answer(model, torch.cat([rendered, random_prompt(3 + extra, seed=22)], 1), cache, streamer=FailingStreamer(2))
+    with pytest.raises(ValueError, match="num_return_sequences"):  # refused by generate itself, after the drop
+        answer(model, torch.cat([rendered, random_prompt(4, seed=23)], 1), cache, num_return_sequences=2)
+    follow = torch.cat([one.sequences, random_prompt(3, seed=24)], 1)  # the conversation as it was
+    got, want = answer(model, follow, cache), answer(model, follow, reference)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("order", [["sliding_attention", "full_attention"], ["full_attention", "sliding_attention"]])
+def test_a_sliding_layer_past_its_window_refuses_before_any_layer_drops_tokens(order):
+    model = make_tiny_model("gemma3_text", layer_types=order * 2)
+    doc, question = random_prompt(PROMPT, seed=30), random_prompt(5, seed=31)
+    cache, reference = ShadowKVCache(model, **full_budget_overrides()), dynamic_cache(model)
+    one = answer(model, torch.cat([doc, question], 1), cache)
+    answer(model, torch.cat([doc, question], 1), reference)
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    rendered = one.sequences.clone()
+    rendered[0, -3] = (rendered[0, -3] % 50) + 1
+    with pytest.raises(ValueError, match="sliding-window layer keeps only its last"):
+        answer(model, torch.cat([rendered, random_prompt(3, seed=32)], 1), cache)
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    follow = torch.cat([one.sequences, random_prompt(3, seed=33)], 1)
+    got, want = answer(model, follow, cache), answer(model, follow, reference)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_a_document_advanced_by_a_plain_forward_answers_the_question_generate_gets():
+    model = tiny_model("llama")
+    doc, fed, asked = random_prompt(PROMPT, seed=40), random_prompt(3, seed=41), random_prompt(6, seed=42)
+    document = ShadowKVCache.prefill(model, doc, **full_budget_overrides())
+    cache = document.fork()
+    forward_with(model, fed, cache)  # a question fed by hand, then generate is asked another
+    got = answer(model, torch.cat([doc, asked], 1), cache)
+    want = answer(model, torch.cat([doc, asked], 1), document.fork())
+    assert torch.equal(got.sequences, want.sequences)

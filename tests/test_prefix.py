@@ -388,6 +388,8 @@ def test_save_needs_a_cache_that_holds_only_the_document(tmp_path, document, que
     ask(model, used, document, question)
     with pytest.raises(PrefixCacheError, match="exactly the"):
         used.save_prefix(tmp_path / "x.safetensors", input_ids=document)
+    with pytest.raises(PrefixCacheError, match="tokens after its compressed prompt"):  # the ids it holds: all of them
+        used.save_prefix(tmp_path / "x.safetensors")
     plain = ShadowKVCache(model, **small_budget_overrides())
     forward_with(model, document[None], plain)  # a plain forward: the cache knows the ids it fed
     other = document.clone()

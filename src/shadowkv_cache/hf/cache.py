@@ -316,10 +316,10 @@ class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
         forked._prefix_checked, forked._prefilled, forked._held = False, None, self._held.repeated(batch_size)
         return forked
 
-    def align_to(self, input_ids: torch.Tensor) -> None:
-        # A prefix or prefilled batch is checked on generate's first step instead, with its own errors.
-        if self._prefix_checked or (self._prefix_ids is None and self._prefilled is None):
-            super().align_to(input_ids)
+    def align_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        # Ids that do not start with a prefix or prefilled batch not yet checked get its own errors at the first step.
+        pending = not self._prefix_checked and (self._prefix_ids is not None or self._prefilled is not None)
+        super().align_to(input_ids, attention_mask, refuse=not pending)
 
     def check_prefix_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Called with the full ids (and mask) `generate` got: they must start with this cache's prefix, or with

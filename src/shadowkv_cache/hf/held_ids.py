@@ -79,14 +79,18 @@ class HeldIds:
         self._buffer[:, before:after].copy_(ids)
         self._length = after
 
-    def first_difference(self, input_ids: torch.Tensor) -> int | None:
+    def first_difference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int | None:
         """The first position where `input_ids` `[B, T]` differ from the held ids in any row (`min(L, T)` when one
-        starts the other), or None when the held ids are unknown or have other rows."""
+        starts the other; positions `attention_mask` marks as pads do not count), or None when the held ids are
+        unknown or have other rows."""
         held = self.ids
         if held is None or input_ids.dim() != 2 or input_ids.shape[0] != held.shape[0]:
             return None
         n = min(held.shape[1], input_ids.shape[1])
-        differ = (input_ids[:, :n].to(held.device) != held[:, :n]).any(0)
+        differ = input_ids[:, :n].to(held.device) != held[:, :n]
+        if attention_mask is not None and attention_mask.shape == input_ids.shape:
+            differ &= attention_mask[:, :n].to(held.device).bool()
+        differ = differ.any(0)
         return int(differ.int().argmax()) if bool(differ.any()) else n
 
 
@@ -123,36 +127,43 @@ class TracksIds:
                 "(or call cache.reset())."
             )
 
-    def align_to(self, input_ids: torch.Tensor) -> None:
+    def align_to(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, refuse: bool = True
+    ) -> None:
         """Make the cache hold a prefix of `generate`'s `input_ids` `[B, T]` (when its ids are known): the tokens from
         the first difference on are dropped (an earlier answer that tokenises otherwise when the conversation is
-        rendered again, a question asked again), and at least one id is left to feed. A difference inside the
-        compressed prompt, which cannot be dropped, raises `ValueError`."""
+        rendered again, a question asked again), and at least one id is left to feed. Where a layer cannot drop them
+        (inside the compressed prompt, a sliding window already full) it raises `ValueError` before any layer changes.
+        Runs before the call's record of the layers is taken, so a call that fails later leaves the cache holding this
+        prefix, with its ids: a later call feeds what it needs again. `refuse=False` leaves ids it cannot align to a
+        later check."""
         length = self.get_seq_length()
         if length == 0 or self._held.ids is None or self._held.ids.shape[1] != length:
             return
-        same = self._held.first_difference(input_ids)
+        same = self._held.first_difference(input_ids, attention_mask)
         if same is None:
             return
-        keep = min(same, input_ids.shape[1] - 1)
+        given = input_ids.shape[1]
+        keep = min(same, given - 1)
         if keep >= length:
             return
-        given = input_ids.shape[1]
-        where = (
-            f"they are the first {given} of the {length} tokens it holds (at least one new token must be fed)"
-            if same == given
-            else f"they differ from the {length} tokens it holds at position {same}"
-        )
-        try:
-            self.crop(keep - length)
-        except (NotImplementedError, RuntimeError) as err:
+        reasons = [reason for layer in self.layers if (reason := layer.cannot_crop(keep)) is not None]
+        if reasons and not refuse:
+            return
+        if reasons:
+            where = (
+                f"they are the first {given} of the {length} tokens it holds (at least one new token must be fed)"
+                if same == given
+                else f"they differ from the {length} tokens it holds at position {same}"
+            )
             raise ValueError(
-                f"input_ids do not continue this cache: {where}, and it cannot drop the tokens from there ({err}). "
-                "generate feeds the model only the ids after the cache's tokens, so the answer would follow the "
-                "cache's tokens, not these ids. Pass ids that start with the tokens the cache holds (the previous "
-                "call's output sequences, then the new turn), or use a new cache for another document (fork() of a "
-                "prefilled or loaded one)."
-            ) from None
+                f"input_ids do not continue this cache: {where}, and it cannot drop its tokens from there "
+                f"({reasons[0].rstrip('.')}). generate feeds the model only the ids after the cache's tokens, so the "
+                "answer would follow the cache's tokens, not these ids. Pass ids that start with the tokens the cache "
+                "holds (the previous call's output sequences, then the new turn), or use a new cache for another "
+                "document (fork() of a prefilled or loaded one)."
+            )
+        self.crop(keep - length)
 
     def record_call(self, ids: torch.Tensor | None, before: int) -> None:
         """After a call of the patched `forward` that found the cache at `before` tokens and passed `ids`."""

@@ -85,6 +85,16 @@ class CompressedLayer(DynamicLayer):
         self.keys, self.values = self.new.held()
         return self.keys, self.values
 
+    def cannot_crop(self, keep: int) -> str | None:
+        """Why this layer cannot be cropped to `keep` tokens, or None when it can."""
+        prompt_slots = self.prompt.slots if self.prompt is not None else 0
+        if self.is_initialized and keep < min(prompt_slots, self.get_seq_length()):
+            return (
+                f"Cannot crop a ShadowKV cache to {keep} tokens: its first {prompt_slots} tokens are compressed. "
+                "Crop only tokens added after the compressed prompt, or start a new cache."
+            )
+        return None
+
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end: a negative value removes that many; a positive one is the length to keep
         (Transformers < 5.18); 0 removes nothing."""
@@ -92,12 +102,10 @@ class CompressedLayer(DynamicLayer):
         keep = length + max_length if max_length <= 0 else max_length
         if keep >= length or not self.is_initialized:
             return
+        reason = self.cannot_crop(keep)
+        if reason is not None:
+            raise NotImplementedError(reason)
         prompt_slots = self.prompt.slots if self.prompt is not None else 0
-        if keep < prompt_slots:
-            raise NotImplementedError(
-                f"Cannot crop a ShadowKV cache to {keep} tokens: its first {prompt_slots} tokens are compressed. "
-                "Crop only tokens added after the compressed prompt, or start a new cache."
-            )
         if self.new is not None:
             self.new.crop(keep - prompt_slots)
             self.keys, self.values = self.new.held()

@@ -52,6 +52,17 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.cumulative_length = keys, values, seen
 
+    def cannot_crop(self, keep: int) -> str | None:
+        """Why this layer cannot be cropped to `keep` tokens, or None when it can: once it has seen its window, it
+        holds only the last `W - 1` tokens and has no earlier ones to go back to."""
+        seen = self.get_seq_length() if self.is_initialized else 0
+        if keep < seen and seen >= self.sliding_window:
+            return (
+                f"a sliding-window layer keeps only its last {self.sliding_window - 1} tokens, so once it has seen "
+                f"{self.sliding_window} it cannot drop any"
+            )
+        return None
+
     def fork(self, batch_size: int, graphs=None) -> SlidingLayer:
         """A layer of `batch_size` rows that starts from this one-row window and shares it (`expand` views, no
         copy): `update` concatenates into new tensors, so rows never write into the shared one. `graphs` is unused

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -186,8 +186,9 @@ class CacheState:
 class UseScope:
     """One call of `model` (its `forward` or `generate`) on `cache`; see the module docstring."""
 
-    def __init__(self, cache: Any, model: Any):
+    def __init__(self, cache: Any, model: Any, prepare: Callable[[], None] | None = None):
         self.cache, self.model, self.state = cache, model, cache._state
+        self.prepare = prepare  # run by the outermost scope before its record: what it changes, a failure keeps
         self.outer = False
         self.saved: Any = None
 
@@ -196,6 +197,8 @@ class UseScope:
         self.outer = self.state.guard.enter()
         if self.outer:
             try:
+                if self.prepare is not None:
+                    self.prepare()
                 self.saved = self.state.checkpoint(self.cache)
             except BaseException:
                 self.state.guard.exit()
@@ -237,7 +240,7 @@ class CheckedUpdates:
         self._state.check_step(self, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def use_scope(self, model: Any) -> UseScope:
+    def use_scope(self, model: Any, prepare: Callable[[], None] | None = None) -> UseScope:
         """Where the patched `model`'s `forward` and `generate` run a call on this cache: one thread at a time, and a
-        call that raises leaves the cache as it was."""
-        return UseScope(self, model)
+        call that raises leaves the cache as it was after `prepare` (run first, once the cache is this thread's)."""
+        return UseScope(self, model, prepare)

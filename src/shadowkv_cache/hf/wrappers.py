@@ -102,12 +102,11 @@ class CacheUse(InstanceWrapper):
         scope = getattr(cache, "use_scope", None)
         if scope is None:
             return self.__wrapped__(*args, **kwargs)
-        with scope(self._owner()):
-            self.check(cache, args, kwargs)
+        with scope(self._owner(), prepare=lambda: self.prepare(cache, args, kwargs)):
             return self.__wrapped__(*args, **kwargs)
 
-    def check(self, cache: Any, args: tuple, kwargs: dict) -> None:
-        """What the call's inputs must satisfy before it runs, inside the scope (nothing changed yet)."""
+    def prepare(self, cache: Any, args: tuple, kwargs: dict) -> None:
+        """What the outermost call does to the cache before its record is taken (the cache is this thread's)."""
 
 
 def _ids(args: tuple, kwargs: dict, name: str) -> torch.Tensor | None:
@@ -144,12 +143,13 @@ class Generate(CacheUse):
 
     name = "generate"
 
-    def check(self, cache: Any, args: tuple, kwargs: dict) -> None:
+    def prepare(self, cache: Any, args: tuple, kwargs: dict) -> None:
         ids = _ids(args, kwargs, "inputs")
         ids = ids if ids is not None else kwargs.get("input_ids")
         align = getattr(cache, "align_to", None)
+        mask = kwargs.get("attention_mask")
         if align is not None and isinstance(ids, torch.Tensor):
-            align(ids)
+            align(ids, mask if isinstance(mask, torch.Tensor) else None)
 
 
 class PrepareInputs(InstanceWrapper):

@@ -156,13 +156,19 @@ def write_prefix(
     length = len(token_ids)
     dims = model_dims(model)
     dtype, _ = kv_dtype_and_devices(model, dims[0])
-    for i, (_, keys, _, seen) in enumerate(layers):
+    for i, (prompt, keys, _, seen) in enumerate(layers):
         rows = 0 if keys is None else keys.shape[0]
         if keys is None or rows != 1 or seen != length:
             raise PrefixCacheError(
                 f"save_prefix needs a one-row cache that holds exactly the {length}-token document; layer {i} "
                 f"holds {seen if keys is not None else 0} tokens in {rows} row(s). Prefill the document "
                 "alone (ShadowKVCache.prefill(model, ids)) and save before generating."
+            )
+        if prompt is not None and keys is not None and keys.shape[2]:
+            raise PrefixCacheError(
+                f"save_prefix saves a document as its prefill left it; layer {i} holds {keys.shape[2]} tokens after "
+                "its compressed prompt (generated tokens or a new turn). Prefill the document alone "
+                "(ShadowKVCache.prefill(model, ids)) and save before generating."
             )
     tensors = {"token_ids": token_ids}
     for i, (prompt, keys, values, _) in enumerate(layers):
