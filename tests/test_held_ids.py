@@ -20,7 +20,7 @@ from helpers import (
     tiny_model,
 )
 
-from shadowkv_cache import ShadowKVCache
+from shadowkv_cache import PrefixCacheError, ShadowKVCache
 from shadowkv_cache.hf.held_ids import HeldIds
 
 PROMPT = 120  # compressed (min_compress_len 64)
@@ -212,3 +212,39 @@ def test_a_document_advanced_by_a_plain_forward_answers_the_question_generate_ge
     got = answer(model, torch.cat([doc, asked], 1), cache)
     want = answer(model, torch.cat([doc, asked], 1), document.fork())
     assert torch.equal(got.sequences, want.sequences)
+
+
+def test_a_refused_first_generate_leaves_an_exact_document_as_it_was():
+    model = tiny_model("llama")
+    doc, question = random_prompt(40, seed=50), random_prompt(5, seed=51)  # kept exact: every token could be dropped
+    document = ShadowKVCache.prefill(model, doc, **full_budget_overrides())
+    other = doc.clone()
+    other[0, 10] = (other[0, 10] % 50) + 1
+    with pytest.raises(PrefixCacheError, match="differs first at token 10"):
+        answer(model, torch.cat([other, question], 1), document)
+    assert document.get_seq_length() == 40 and torch.equal(document._held.ids, doc)
+    document.fork()  # still a document alone
+
+
+def test_save_prefix_writes_the_ids_the_cache_holds_after_a_crop_and_a_refill(tmp_path):
+    model = tiny_model("llama")
+    doc, refill = random_prompt(40, seed=52), random_prompt(10, seed=53)
+    cache = ShadowKVCache.prefill(model, doc, **full_budget_overrides())
+    cache.crop(-10)
+    forward_with(model, refill, cache)  # 40 tokens again, the last 10 other than the document's
+    cache.save_prefix(tmp_path / "x.safetensors")
+    held = torch.cat([doc[:, :30], refill], 1)
+    assert torch.equal(ShadowKVCache.load_prefix(model, tmp_path / "x.safetensors").prefix_ids, held[0])
+    with pytest.raises(PrefixCacheError, match="not the document this cache holds"):
+        cache.save_prefix(tmp_path / "y.safetensors", input_ids=doc)
+
+
+def test_a_crop_that_one_layer_cannot_make_changes_no_layer():
+    model = make_tiny_model("gemma3_text", layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=256)
+    cache = ShadowKVCache(model, **full_budget_overrides())
+    answer(model, random_prompt(PROMPT, seed=54), cache)
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    with pytest.raises(NotImplementedError, match="compressed"):
+        cache.crop(-30)  # the sliding layers could, the compressed ones cannot
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    assert cache._held.ids.shape[1] == lengths[0]

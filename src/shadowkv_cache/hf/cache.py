@@ -209,7 +209,7 @@ class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
 
         parts = microbatch.prefill_parts(model, ids, mask, micro_batch_size, part, progress)
         microbatch.join_parts(cache, parts, mask, cache.config.pin_memory)
-        cache._prefilled, cache._held = (ids, mask), HeldIds(ids)
+        cache._prefilled, cache._held = (ids, mask), HeldIds(ids, mask)
         return cache
 
     @property
@@ -233,16 +233,7 @@ class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
         model = self._model()
         if model is None:
             raise prefix.PrefixCacheError("The model of this cache no longer exists; save while it is alive.")
-        known = self._prefix_ids if self._prefix_ids is not None else self._held.ids  # what a plain forward fed
-        known = known if known is None or known.dim() == 1 or len(known) == 1 else None  # more rows: refused below
-        if input_ids is None and known is None:
-            raise prefix.PrefixCacheError(
-                "save_prefix needs the document's ids (this cache was not filled from ids): pass input_ids=..., or "
-                "make the cache with ShadowKVCache.prefill(model, ids)."
-            )
-        ids = prefix.as_prefix_ids(input_ids if input_ids is not None else known)
-        if known is not None and len(ids) == known.shape[-1] and not torch.equal(ids, prefix.as_prefix_ids(known)):
-            raise prefix.PrefixCacheError("input_ids are not the document this cache holds (was prefilled with).")
+        ids = prefix.ids_to_save(input_ids, self._prefix_ids, self._held.ids)
         with self._state.using():  # not while another thread's call changes the layers, nor when broken
             layers = [
                 (layer.prompt, layer.keys, layer.values, layer.get_seq_length() if layer.is_initialized else 0)
@@ -317,9 +308,13 @@ class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
         return forked
 
     def align_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        # Ids that do not start with a prefix or prefilled batch not yet checked get its own errors at the first step.
-        pending = not self._prefix_checked and (self._prefix_ids is not None or self._prefilled is not None)
-        super().align_to(input_ids, attention_mask, refuse=not pending)
+        first = self.layers[0]
+        if not self._prefix_checked and first.is_initialized and len(input_ids) == first.keys.shape[0]:
+            # A prefix or prefilled batch first, with its own errors; generate's first step checks again the rows it
+            # expands (beams, several sequences).
+            self.check_prefix_ids(input_ids, attention_mask)
+            self._prefix_checked = False
+        super().align_to(input_ids, attention_mask)
 
     def check_prefix_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Called with the full ids (and mask) `generate` got: they must start with this cache's prefix, or with

@@ -54,9 +54,10 @@ class SlidingLayer(DynamicSlidingWindowLayer):
 
     def cannot_crop(self, keep: int) -> str | None:
         """Why this layer cannot be cropped to `keep` tokens, or None when it can: once it has seen its window, it
-        holds only the last `W - 1` tokens and has no earlier ones to go back to."""
+        holds only the last `W - 1` tokens and has no earlier ones to go back to (unless it records the past,
+        `activate_past_recording`)."""
         seen = self.get_seq_length() if self.is_initialized else 0
-        if keep < seen and seen >= self.sliding_window:
+        if keep < seen and seen >= self.sliding_window and not getattr(self, "record_past", False):
             return (
                 f"a sliding-window layer keeps only its last {self.sliding_window - 1} tokens, so once it has seen "
                 f"{self.sliding_window} it cannot drop any"

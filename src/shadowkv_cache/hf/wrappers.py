@@ -134,7 +134,8 @@ class ModelForward(CacheUse):
                 cache.check_rows(given.shape[0])
             before = cache.get_seq_length()
             out = graphs.run(cache, owner, self.__wrapped__, args, kwargs)
-            cache.record_call(ids, before)
+            mask = kwargs.get("attention_mask")
+            cache.record_call(ids, before, mask if isinstance(mask, torch.Tensor) else None)
             return out
 
 

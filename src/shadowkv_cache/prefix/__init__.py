@@ -10,7 +10,7 @@ from .errors import PrefixCacheError
 from .format import FORMAT_VERSION, METADATA_KEY, write_prefix
 from .identity import model_identity, token_ids_sha256
 from .read import PrefixState, read_prefix
-from .use import as_prefix_ids, batch_questions, check_prefix_ids, refuse_pads_after_prefix
+from .use import as_prefix_ids, batch_questions, check_prefix_ids, ids_to_save, refuse_pads_after_prefix
 
 __all__ = [
     "FORMAT_VERSION",
@@ -20,6 +20,7 @@ __all__ = [
     "as_prefix_ids",
     "batch_questions",
     "check_prefix_ids",
+    "ids_to_save",
     "model_identity",
     "read_prefix",
     "refuse_pads_after_prefix",

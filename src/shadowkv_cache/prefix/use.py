@@ -12,7 +12,7 @@ import torch
 from .errors import PrefixCacheError
 from .identity import token_ids_sha256
 
-__all__ = ["as_prefix_ids", "batch_questions", "check_prefix_ids", "refuse_pads_after_prefix"]
+__all__ = ["as_prefix_ids", "batch_questions", "check_prefix_ids", "ids_to_save", "refuse_pads_after_prefix"]
 
 
 def as_prefix_ids(input_ids) -> torch.Tensor:
@@ -26,6 +26,28 @@ def as_prefix_ids(input_ids) -> torch.Tensor:
             f"{tuple(ids.shape)} of {ids.dtype}."
         )
     return ids.to("cpu", torch.int64)
+
+
+def ids_to_save(input_ids, prefix_ids: torch.Tensor | None, held: torch.Tensor | None) -> torch.Tensor:
+    """The `[S]` ids `save_prefix` writes: `input_ids` if given, else what the cache holds (`held`, its record of
+    `[B, L]` ids, or the `prefix_ids` it started from while the record starts with them); given ids must be those."""
+    if held is not None and len(held) != 1:
+        raise PrefixCacheError(
+            f"save_prefix needs a one-row cache; this one holds {len(held)} rows. Save the document before fork(n), "
+            "or prefill it alone (ShadowKVCache.prefill(model, ids))."
+        )
+    held = None if held is None else as_prefix_ids(held)
+    starts = held is not None and prefix_ids is not None and torch.equal(held[: len(prefix_ids)], prefix_ids)
+    known = prefix_ids if held is None or starts else held  # a record that does not start with it: cropped, refilled
+    if input_ids is None and known is None:
+        raise PrefixCacheError(
+            "save_prefix needs the document's ids (this cache was not filled from ids): pass input_ids=..., or make "
+            "the cache with ShadowKVCache.prefill(model, ids)."
+        )
+    ids = as_prefix_ids(input_ids if input_ids is not None else known)
+    if known is not None and len(ids) == len(known) and not torch.equal(ids, known):
+        raise PrefixCacheError("input_ids are not the document this cache holds (was prefilled with).")
+    return ids
 
 
 def check_prefix_ids(prefix_ids: torch.Tensor, input_ids: torch.Tensor, rows: int) -> None:
