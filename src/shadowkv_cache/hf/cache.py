@@ -308,8 +308,7 @@ class ShadowKVCache(CheckedUpdates, TracksIds, Cache):
         return forked
 
     def align_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        first = self.layers[0]
-        if not self._prefix_checked and first.is_initialized and len(input_ids) == first.keys.shape[0]:
+        if not self._prefix_checked and len(input_ids) == self.rows():
             # A prefix or prefilled batch first, with its own errors; generate's first step checks again the rows it
             # expands (beams, several sequences).
             self.check_prefix_ids(input_ids, attention_mask)

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HeldIds", "TracksIds"]
+__all__ = ["HeldIds", "TracksIds", "kept_length"]
+
+
+def kept_length(length: int, max_length: int) -> int:
+    """The tokens `crop(max_length)` keeps of `length`: a negative value removes that many, a positive one is the
+    length to keep (Transformers < 5.18), 0 removes nothing."""
+    return length + max_length if max_length <= 0 else max_length
 
 
 class HeldIds:
@@ -85,7 +91,10 @@ class HeldIds:
                 valid[:, : self._length].copy_(self._valid[:, : self._length])
             self._buffer, self._valid = grown, valid
         self._buffer[:, before:after].copy_(ids)
-        self._valid[:, before:after].copy_(_valid(None if mask is None else mask[:, -ids.shape[1] :], ids))
+        if mask is None:  # in place: no temporary tensor at each decode step
+            self._valid[:, before:after].fill_(True)
+        else:
+            self._valid[:, before:after].copy_(mask[:, -ids.shape[1] :])  # nonzero: a real token
         self._length = after
 
     def first_difference(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int | None:
@@ -134,7 +143,7 @@ class TracksIds:
 
     def crop(self, max_length: int) -> None:
         length = self.get_seq_length()
-        keep = length + max_length if max_length <= 0 else max_length
+        keep = kept_length(length, max_length)
         reason = self.cannot_crop(keep) if keep < length else None
         if reason is not None:  # before any layer is cropped
             raise NotImplementedError(reason)
@@ -145,9 +154,13 @@ class TracksIds:
         """Why some layer cannot be cropped to `keep` tokens, or None when every one can."""
         return next((reason for layer in self.layers if (reason := layer.cannot_crop(keep)) is not None), None)
 
+    def rows(self) -> int | None:
+        """The rows the cache holds, or None while it is empty."""
+        return next((layer.keys.shape[0] for layer in self.layers if layer.is_initialized), None)
+
     def check_rows(self, rows: int) -> None:
         """Raise `ValueError` unless a call of `rows` rows may continue this cache (any, when it is empty)."""
-        held = next((layer.keys.shape[0] for layer in self.layers if layer.is_initialized), None)
+        held = self.rows()
         if held is not None and rows != held:
             raise ValueError(
                 f"This cache holds {held} row(s); the call has {rows}. A cache continues the rows it holds: pass "

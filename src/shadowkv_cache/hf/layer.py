@@ -23,6 +23,7 @@ from ..ops.loader import kernels_available
 from ..stores.token_buffer import TokenBuffer
 from .background import PendingPrompt, compress_beside
 from .decode_graph import DecodeGraph, GraphSwitch, capture_or_none
+from .held_ids import kept_length
 from .layer_mode import LayerMode
 
 __all__ = ["CompressedLayer", "LayerMode"]
@@ -99,11 +100,10 @@ class CompressedLayer(DynamicLayer):
         """Drop tokens from the end: a negative value removes that many; a positive one is the length to keep
         (Transformers < 5.18); 0 removes nothing."""
         length = self.get_seq_length()
-        keep = length + max_length if max_length <= 0 else max_length
+        keep = kept_length(length, max_length)
         if keep >= length or not self.is_initialized:
             return
-        reason = self.cannot_crop(keep)
-        if reason is not None:
+        if (reason := self.cannot_crop(keep)) is not None:
             raise NotImplementedError(reason)
         prompt_slots = self.prompt.slots if self.prompt is not None else 0
         if self.new is not None:
