@@ -310,15 +310,16 @@ __device__ __forceinline__ unsigned pack_s8x4(int x0, int x1, int x2, int x3) {
 /// \param codes     uint8 [B, Hkv, N, M], M = 4*CPT, as code_logits_impl's (CPT-byte aligned)
 /// \param norms, selectable, scaling, sqrt_d  as code_logits_impl's
 /// \param points8   [256] uint32: grid point j as 4 int8 (32 * its coordinates, coordinate i in byte i)
-/// Launch: grid (NT, Hkv, B), block 128 threads, MMA_TILE tokens per block.
+/// Launch: grid (P, 1, 1) for P <= B * Hkv * NT blocks (score_codes.py: the blocks that fit at once), block
+/// 32 * warps threads; each block takes a contiguous share of the B * Hkv * NT tiles of MMA_TILE tokens.
 template <int CPT, bool PACKED>
 __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* part_sum, unsigned* exps, float* gmaxes,
                                                      const float* query, const unsigned char* codes,
                                                      long long codes_row_stride, const f16* norms,
                                                      long long norms_row_stride, const bool* selectable,
                                                      long long sel_row_stride, long long sel_head_stride,
-                                                     const unsigned* points8, float scaling, float sqrt_d, int Hkv,
-                                                     int G, int N) {
+                                                     const unsigned* points8, float scaling, float sqrt_d, int B,
+                                                     int Hkv, int G, int N) {
     constexpr int THREADS = CPT == 8 ? 32 * MMA_WARPS_K8 : MMA_THREADS;
     constexpr int M = 4 * CPT, D = 4 * M, W = CPT / 4, NK = CPT / 2, STRIDE = THREADS / 32 * 16;
     constexpr int PARTS = PACKED ? 2 : 3;  // MMAs per k-tile
@@ -328,10 +329,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     __shared__ unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[THREADS / 32][DEPTH][16 * M];
     __shared__ float wm[THREADS / 32][8], ws[THREADS / 32][8];
-    const int head = blockIdx.y, row = blockIdx.z, n_tiles = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
     const int pairs = (G + 1) / 2, groups = (N + 15) / 16;  // Gp / 2 words per token; NG
-    const size_t rh = (size_t)row * Hkv + head;
 
     // Every block fills its table before its first group: all of a thread's loads are issued at once (one round trip),
     // and 16-byte stores of 4 copies (8 lanes write one entry's 128 bytes, so a store has no bank conflicts).
@@ -342,9 +341,33 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         const unsigned v = __ldg(points8 + i / (MMA_COPIES / 4));
         reinterpret_cast<uint4*>(table)[i] = make_uint4(v, v, v, v);
     }
+    // This lane's output columns: heads col0 and col1, whose scales lanes 4*col0 and 4*col1 hold.
+    const int col0 = PACKED ? 2 * (tq & 1) : 2 * tq, col1 = col0 + 1;
+    const bool writes = (!PACKED || tq < 2) && col0 < G;  // this lane stores its pair (the second may be padding)
+    // Entry v of this lane's copy of the table is 128 bytes (one word per lane) after entry v - 1.
+    const unsigned char* tab = reinterpret_cast<const unsigned char*>(table + (lane & (MMA_COPIES - 1)));
+    // Per-lane constants of the logits, in base 2: 2^l = e^logit.
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float unit = 1.f / sqrt_d;
+
+    // The grid is sized to the blocks that fit on the GPU at once, and each block takes a contiguous share of the
+    // (row, head, tile) space: it fills its table once, and makes its query's fragments once per (row, head), where a
+    // block per tile spent about a tenth of its instructions on both, before its first group.
+    const int n_tiles = (N + MMA_TILE - 1) / MMA_TILE, total = B * Hkv * n_tiles;
+    const int share = total / gridDim.x, rest = total % gridDim.x;
+    const int t_begin = blockIdx.x * share + min((int)blockIdx.x, rest);
+    const int t_end = t_begin + share + ((int)blockIdx.x < rest);
+    unsigned bq[PARTS][CPT];
+    float k0 = 0.f, k1 = 0.f;
+    int made_for = -1;  // the (row, head) whose query bq, k0 and k1 hold
+    for (int t = t_begin; t < t_end; ++t) {
+    const int rh_index = t / n_tiles, tile = t - rh_index * n_tiles;
+    const int row = rh_index / Hkv, head = rh_index - row * Hkv;
+    const size_t rh = rh_index;
+    __syncthreads();  // the previous tile's readers of norm_bits, wm and ws are done
     // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
     // waits on no global load but the codes'.
-    const int n0 = blockIdx.x * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
+    const int n0 = tile * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
     {
         const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
         const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
@@ -355,6 +378,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
 
     // B fragments: column gid of MMA `part` is digit `digit` of query head `hq` (zeros beyond G); word j holds dims
     // 4c..4c+3 of code c = tq*CPT + j, and k-tile t takes words 2t (b0) and 2t+1 (b1).
+    if (rh_index != made_for) {  // uniform over the block
+    made_for = rh_index;
     const int hq = PACKED ? (gid & 3) : gid;
     float qv[CPT][4];
     float qmax = 0.f, qsum = 0.f;
@@ -377,7 +402,6 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     const float s = qmax > 0.f && finite ? Q24_MAX / qmax : 0.f;
     // logit = combined digit dots * down * norm / sqrt(D) * scaling; 1/32 undoes the grid's int8 scale.
     const float down = !finite ? __int_as_float(0x7fc00000) : qmax > 0.f ? qmax / Q24_MAX * 0.03125f : 0.f;
-    unsigned bq[PARTS][CPT];
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
         int q24[4];
@@ -390,18 +414,10 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                     q24_digit(q24[3], digit));
         }
     }
-    // This lane's output columns: heads col0 and col1, whose scales lanes 4*col0 and 4*col1 hold.
-    const int col0 = PACKED ? 2 * (tq & 1) : 2 * tq, col1 = col0 + 1;
-    const bool writes = (!PACKED || tq < 2) && col0 < G;  // this lane stores its pair (the second may be padding)
-    const float down0 = __shfl_sync(0xffffffffu, down, 4 * col0);
-    const float down1 = __shfl_sync(0xffffffffu, down, 4 * col1);
-    __syncthreads();
-
-    // Entry v of this lane's copy of the table is 128 bytes (one word per lane) after entry v - 1.
-    const unsigned char* tab = reinterpret_cast<const unsigned char*>(table + (lane & (MMA_COPIES - 1)));
-    // Per-lane constants of the logits, in base 2: 2^l = e^logit.
-    constexpr float LOG2E = 1.4426950408889634f;
-    const float k0 = down0 * scaling * LOG2E, k1 = down1 * scaling * LOG2E, unit = 1.f / sqrt_d;
+    k0 = __shfl_sync(0xffffffffu, down, 4 * col0) * scaling * LOG2E;
+    k1 = __shfl_sync(0xffffffffu, down, 4 * col1) * scaling * LOG2E;
+    }
+    __syncthreads();  // the table (first tile) and the tile's norms are in place
 
     // Codes stream through a ring of DEPTH stages per warp (cp.async): DEPTH - 1 groups of 16 tokens are in flight
     // while one is scored, which hides HBM latency that one prefetched group cannot. Each thread reads back only the
@@ -567,9 +583,10 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         float mm = NEG_INF, ss = 0.f;
 #pragma unroll
         for (int w = 0; w < THREADS / 32; ++w) merge_state<true>(mm, ss, wm[w][threadIdx.x], ws[w][threadIdx.x]);
-        const size_t p = (rh * G + threadIdx.x) * n_tiles + blockIdx.x;
+        const size_t p = (rh * G + threadIdx.x) * n_tiles + tile;
         part_max[p] = mm;
         part_sum[p] = ss;
+    }
     }
 }
 
@@ -578,10 +595,10 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         float* part_max, float* part_sum, unsigned* exps, float* gmaxes, const float* query,                      \
         const unsigned char* codes, long long codes_row_stride, const f16* norms, long long norms_row_stride,    \
         const bool* selectable, long long sel_row_stride, long long sel_head_stride, const unsigned* points8,    \
-        float scaling, float sqrt_d, int Hkv, int G, int N) {                                                    \
+        float scaling, float sqrt_d, int B, int Hkv, int G, int N) {                                             \
         code_states_mma_impl<CPT, PACKED>(part_max, part_sum, exps, gmaxes, query, codes, codes_row_stride,      \
                                           norms, norms_row_stride, selectable, sel_row_stride, sel_head_stride,  \
-                                          points8, scaling, sqrt_d, Hkv, G, N);                                  \
+                                          points8, scaling, sqrt_d, B, Hkv, G, N);                               \
     }
 
 // Kernel names: k<CPT> (D = 16 * CPT), g<largest G> (4: two MMAs per k-tile, 8: three).

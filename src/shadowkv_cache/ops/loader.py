@@ -187,6 +187,7 @@ class Kernels:
             self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({stem})")
         self._functions: dict[str, object] = {}
         self._max_shared: dict[str, int] = {}  # dynamic shared memory each function was allowed
+        self._resident: dict[str, int] = {}  # resident_blocks' answers
 
     def function(self, name: str):
         fn = self._functions.get(name)
@@ -204,6 +205,16 @@ class Kernels:
         with torch.cuda.device(self.device):
             _check(self._driver.cuFuncSetAttribute(self.function(name), attr, nbytes), "cuFuncSetAttribute")
         self._max_shared[name] = nbytes
+
+    def resident_blocks(self, name: str, threads: int) -> int:
+        """How many blocks of `threads` threads of `name` (no dynamic shared memory) one SM holds at once, by its
+        registers and shared memory (`cuOccupancyMaxActiveBlocksPerMultiprocessor`); cached per function."""
+        key = f"{name}/{threads}"
+        if key not in self._resident:
+            with torch.cuda.device(self.device):
+                count = self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function(name), threads, 0)
+                self._resident[key] = max(1, int(_check(count, "cuOccupancyMaxActiveBlocksPerMultiprocessor")))
+        return self._resident[key]
 
     def launch(
         self,

@@ -27,7 +27,7 @@ import torch
 
 from ..quant import HiggsQuantizer, lattice_points
 from .library import define_op
-from .loader import kernels_available, load_kernels
+from .loader import kernels_available, load_kernels, multiprocessors
 
 __all__ = ["attention_scores", "code_scores", "code_scores_op", "code_scores_reference", "score_codes"]
 
@@ -298,11 +298,15 @@ def _code_scores_mma(
     scores = torch.empty((batch, heads, num), dtype=torch.float32, device=device)
     i32 = ctypes.c_int
     kernels = _kernels(device)
+    name = f"code_states_mma_k{m // 4}_g{4 if group <= 4 else 8}"  # two MMAs per k-tile up to 4 query heads, else 3
+    threads = 32 * MMA_K8_GRID[2] if m == 32 else _MMA_THREADS
+    # The blocks that fit at once, each over a contiguous share of the tiles (its grid table made once).
+    blocks = min(batch * heads * tiles, kernels.resident_blocks(name, threads) * multiprocessors(device))
     kernels.launch(
-        f"code_states_mma_k{m // 4}_g{4 if group <= 4 else 8}",  # two MMAs per k-tile up to 4 query heads, else three
-        grid=(tiles, heads, batch),
-        block=(32 * MMA_K8_GRID[2] if m == 32 else _MMA_THREADS, 1, 1),
-        args=[part_max, part_sum, exps, group_max, *inputs, (heads, i32), (group, i32), (num, i32)],
+        name,
+        grid=(blocks, 1, 1),
+        block=(threads, 1, 1),
+        args=[part_max, part_sum, exps, group_max, *inputs, *((x, i32) for x in (batch, heads, group, num))],
     )
     fill32 = (float(fill), ctypes.c_float)
     kernels.launch(
