@@ -110,7 +110,7 @@ def prefill_runs(run: Run) -> None:
 def full_attention_sweeps(run: Run) -> None:
     """2. DynamicCache over the batch sweep (until the GPU is full) and StaticCache at one point, synthetic fill;
     then the full-attention roofline at Dynamic's best batch and at the largest batch that fits."""
-    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    model, cfg, args = run.model, run.cfg, run.args
     kv = kv_bytes_per_token(cfg)
     best = {}
     for method in [m for m in ("dynamic", "static") if m in run.methods and not (m == "static" and args.no_static)]:
@@ -132,21 +132,17 @@ def full_attention_sweeps(run: Run) -> None:
                     return fill_static(model, batch, length, args.warm + args.steps + 1)
 
                 try:
-                    timed = _timed(run, build, batch, f"{method} {length} batch {batch}")
+                    timed = measure_decode(run, build, batch, f"{method} {length} batch {batch}")
                 except Exception as err:  # StaticCache "if it runs"
                     log(f"{method} {length} batch {batch}: failed: {err!r}")
                     run.rec.add(dict(context=length, method=method, batch=batch, note=f"failed: {type(err).__name__}"))
-                    free(device)
                     break
                 if timed is None:
                     break
-                cache, step = timed
+                step, _, gpu = timed
                 row = dict(context=length, method=method, fill="synthetic", batch=batch, tok_s=batch / step,
-                           step_ms=step * 1e3, **peaks(device),
-                           gpu_bytes_per_seq_gib=length * kv / GiB)  # fmt: skip
+                           step_ms=step * 1e3, **gpu, gpu_bytes_per_seq_gib=length * kv / GiB)  # fmt: skip
                 run.rec.add(row)
-                del cache
-                free(device)
                 if method == "dynamic" and row["tok_s"] > best.get(length, {}).get("tok_s", 0):
                     best[length] = row
     for length, row in best.items():
@@ -171,20 +167,24 @@ def host_blocks(run: Run) -> list[torch.Tensor] | None:
     return blocks
 
 
-def _timed(run: Run, build, batch: int, what: str):
-    """`(cache, seconds per decode step)` of the cache `build()` makes after the previous one's memory is freed, or
-    None (logged, memory freed) when it does not fit the GPU. Other errors propagate."""
+def measure_decode(run: Run, build, batch: int, what: str) -> tuple[float, float | None, dict] | None:
+    """`(seconds per decode step, hit rate, peak GPU memory)` of the cache `build()` makes after the previous one's
+    memory is freed, or None (logged) when it does not fit the GPU. Other errors propagate. The cache never leaves
+    this function, and its memory is freed before it returns: a cache handed back to the caller stayed alive in the
+    returned tuple while the next batch's was built, and that batch ran out of memory that it had."""
     cache = None
     try:
         free(run.device)
         reset_peak(run.device)
         cache = build()
-        return cache, decode(run.model, cache, batch, run.args.warm, run.args.steps, run.device)
+        step = decode(run.model, cache, batch, run.args.warm, run.args.steps, run.device)
+        return step, hit_rate(cache), peaks(run.device)
     except torch.OutOfMemoryError:
         log(f"{what}: out of GPU memory")
+        return None
+    finally:
         del cache
         free(run.device)
-        return None
 
 
 def _host_sweep(run: Run, row_host: int, align: int) -> tuple[list[int], int]:
@@ -225,7 +225,7 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                     policy = LandmarkTopK(landmark_format)  # h None: the model's own selection, else wrapped
                     return synthetic_cache(model, batch, length, fmt_config, policy, hit_rate=h, host_blocks=blocks)
 
-                timed = _timed(run, build, batch, f"shadowkv {length} {label} batch {batch}")
+                timed = measure_decode(run, build, batch, f"shadowkv {length} {label} batch {batch}")
                 if timed is None:
                     if i <= len(sweep):  # larger batches would not fit either: on to the other hit rates
                         sweep, plan = sweep[: i - 1], plan[: i - 1]
@@ -233,19 +233,16 @@ def shadowkv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                             plan += [(best_row["batch"], x) for x in args.extra_h if x != args.h_sweep]
                         i = len(sweep)
                     continue
-                cache, step = timed
-                hr = hit_rate(cache)
+                step, hr, gpu = timed
                 bound, hbm, pcie = shadowkv_bound(model, fmt_config, length, batch, hr or 0.0, run.weights, run.hbm_bw,
                                                   landmark_format)  # fmt: skip
                 row = dict(context=length, method="shadowkv", value_format=value_format,
                            landmark_format=landmark_format, fill="synthetic",
                            batch=batch, h_target="own" if h is None else h, hit_rate=hr, tok_s=batch / step,
-                           step_ms=step * 1e3, **peaks(device),
+                           step_ms=step * 1e3, **gpu,
                            host_gib=batch * row_host * cfg.num_hidden_layers / GiB, bound_ms=bound * 1e3,
                            hbm_gb_per_step=hbm / 1e9, pcie_gb_per_step=pcie / 1e9)  # fmt: skip
                 run.rec.add(row)
-                del cache
-                free(device)
                 if h == args.h_sweep and (best_row is None or row["tok_s"] > best_row["tok_s"]):
                     best_row = row
                 if i == len(sweep) and best_row is not None:  # sweep done: other hit rates at the best batch
@@ -258,7 +255,7 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
     (and what GPU memory holds), at the controlled hit rate `--yakv-h`. Every step scores every token from the device
     codes, selects the top k tokens and fetches the 4-bit key and value records of those not held from the previous
     step: from the device mirror for the first `share` of each row's tokens, over PCIe for the others."""
-    model, cfg, device, args = run.model, run.cfg, run.device, run.args
+    model, cfg, args = run.model, run.cfg, run.args
     for share in [float(s) for s in args.yakv_device_shares.split(",")]:
         # YAKV keeps no low-rank keys and its own default budget (the same PCIe bytes as ShadowKV's at bf16)
         yakv_config = dataclasses.replace(mode_config(run.config, "yakv"), device_record_share=share)
@@ -273,19 +270,16 @@ def yakv_sweeps(run: Run, blocks: list[torch.Tensor] | None) -> None:
                 def build(batch=batch, length=length, yakv_config=yakv_config):
                     return synthetic_cache(model, batch, length, yakv_config, hit_rate=args.yakv_h, host_blocks=blocks)
 
-                timed = _timed(run, build, batch, f"yakv {length} ({label}) batch {batch}")
+                timed = measure_decode(run, build, batch, f"yakv {length} ({label}) batch {batch}")
                 if timed is None:
                     break
-                cache, step = timed
-                hr = hit_rate(cache)
+                step, hr, gpu = timed
                 bound, hbm, pcie = yakv_bound(model, yakv_config, length, batch, hr or 0.0, run.weights, run.hbm_bw)
                 run.rec.add(dict(context=length, method="yakv", value_format=label, fill="synthetic", batch=batch,
                                  h_target=args.yakv_h, hit_rate=hr, tok_s=batch / step, step_ms=step * 1e3,
-                                 **peaks(device), host_gib=batch * row_host * cfg.num_hidden_layers / GiB,
+                                 **gpu, host_gib=batch * row_host * cfg.num_hidden_layers / GiB,
                                  bound_ms=bound * 1e3, hbm_gb_per_step=hbm / 1e9,
                                  pcie_gb_per_step=pcie / 1e9))  # fmt: skip
-                del cache
-                free(device)
 
 
 def yakv_label(share: float) -> str:
