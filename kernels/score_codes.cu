@@ -612,22 +612,59 @@ CODE_MMA(16, 8, false, MMA_THREADS, 1)
 #define FINISH_THREADS 256
 #define FINISH_TILE 2048  // tokens per block (score_codes.py's _FINISH_TILE); a multiple of 16
 
+/// \brief The PAIRS words of one token's exponentials at `p` (PAIRS-word aligned), as one load where a vector fits.
+template <int PAIRS> __device__ __forceinline__ void load_pairs(const unsigned* p, unsigned (&w)[PAIRS]) {
+    if constexpr (PAIRS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (PAIRS == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x; w[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < PAIRS; ++i) w[i] = p[i];
+    }
+}
+
 /// \brief The scores from `code_states_mma`'s outputs: each query head's row state merged from the tiles', then
 /// max over the group of exp(logit - row max) / row sum = exps * 2^-15 * 2^(group max - row max) / row sum (in base 2,
 /// as code_states_mma keeps them).
 ///
+/// Every thread issues all its loads before it uses any: each reads in bounds (the tile's last token stands in past
+/// its end) and without a branch. A load per token behind a bounds test waited out one round trip per token
+/// (Nsight Compute on an H100 machine, 128K, batch 22: the first use of each load held 26% of the stall samples).
+///
 /// \param scores    [B, Hkv, N] fp32, out: `fill` where not selectable
 /// \param exps, gmaxes  [B, Hkv, N, Gp] fp16 and [B, Hkv, NG, Gp] fp32, as code_states_mma writes them
+///                  (PAIRS = Gp / 2 words per token)
 /// \param part_max, part_sum  [B, Hkv, G, NT] fp32, as code_states_mma writes them
 /// \param fill      the score of a token that is not selectable (0, or -inf for a top-k that must never take it)
 /// Launch: grid (ceil(N / FINISH_TILE), Hkv, B), block FINISH_THREADS threads.
-extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
-    float* scores, const unsigned* exps, const float* gmaxes, const float* part_max, const float* part_sum, int Hkv,
-    int G, int N, int n_tiles, float fill) {
+template <int PAIRS>
+__device__ __forceinline__ void code_scores_finish_impl(float* scores, const unsigned* exps, const float* gmaxes,
+                                                        const float* part_max, const float* part_sum, int Hkv,
+                                                        int G, int N, int n_tiles, float fill) {
+    constexpr int PER = FINISH_TILE / FINISH_THREADS;        // tokens per thread
+    constexpr int FACTORS = FINISH_TILE / 16 * 8 / FINISH_THREADS;  // group maxima per thread, at most
     __shared__ float gm[8], rs[8], factor[FINISH_TILE / 16][8];
     const int head = blockIdx.y, row = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int pairs = (G + 1) / 2, groups = (N + 15) / 16;
+    const int groups = (N + 15) / 16;
     const size_t rh = (size_t)row * Hkv + head;
+    const int n0 = blockIdx.x * FINISH_TILE, n1 = min(N, n0 + FINISH_TILE), grp0 = n0 >> 4;
+    const int count = (n1 - n0 + 15) >> 4;
+    // The tile's exponentials and group maxima, in flight while the row states are merged.
+    const unsigned* exps_row = exps + rh * N * PAIRS;
+    unsigned w[PER][PAIRS];
+#pragma unroll
+    for (int u = 0; u < PER; ++u)
+        load_pairs<PAIRS>(exps_row + (size_t)min(n0 + (int)threadIdx.x + u * FINISH_THREADS, n1 - 1) * PAIRS, w[u]);
+    const float* gmax_row = gmaxes + rh * groups * (2 * PAIRS);
+    float x[FACTORS];
+#pragma unroll
+    for (int f = 0; f < FACTORS; ++f) {
+        const int i = min((int)threadIdx.x + f * FINISH_THREADS, count * G - 1), j = i / G;
+        x[f] = gmax_row[(size_t)(grp0 + j) * (2 * PAIRS) + (i - j * G)];
+    }
     // Warp g merges query head g's tile states, its lanes a tile each.
     for (int g = warp; g < G; g += FINISH_THREADS / 32) {
         float mm = NEG_INF, ss = 0.f;
@@ -638,28 +675,37 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish(
         if (lane == 0) { gm[g] = mm; rs[g] = 1.f / ss; }
     }
     __syncthreads();
-    const int n0 = blockIdx.x * FINISH_TILE, n1 = min(N, n0 + FINISH_TILE), grp0 = n0 >> 4;
-    const int count = (n1 - n0 + 15) >> 4;
-    const float* gmax_row = gmaxes + rh * groups * (2 * pairs);
-    for (int i = threadIdx.x; i < count * G; i += FINISH_THREADS) {
-        const int j = i / G, g = i - j * G;
-        const float x = gmax_row[(size_t)(grp0 + j) * (2 * pairs) + g];
-        factor[j][g] = x == NEG_INF || gm[g] == NEG_INF ? 0.f : exp2_ftz(x - gm[g]) * rs[g] * (1.f / 32768.f);
+#pragma unroll
+    for (int f = 0; f < FACTORS; ++f) {
+        const int i = threadIdx.x + f * FINISH_THREADS, j = i / G, g = i - j * G;
+        if (i < count * G)
+            factor[j][g] = x[f] == NEG_INF || gm[g] == NEG_INF ? 0.f : exp2_ftz(x[f] - gm[g]) * rs[g] * (1.f / 32768.f);
     }
     __syncthreads();
-    const unsigned* exps_row = exps + rh * N * pairs;
-    for (int n = n0 + threadIdx.x; n < n1; n += FINISH_THREADS) {
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+        const int n = n0 + threadIdx.x + u * FINISH_THREADS;
+        if (n >= n1) continue;
         const float* f = factor[(n - n0) >> 4];
         float best = 0.f;
-        bool marked = false;
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            if (p >= pairs) break;
-            const unsigned w = exps_row[(size_t)n * pairs + p];
-            marked = marked || (p == 0 && (w & 0xffffu) == NOT_SELECTABLE);
-            best = fmaxf(best, f16_value(w & 0xffffu) * f[2 * p]);
-            if (2 * p + 1 < G) best = fmaxf(best, f16_value(w >> 16) * f[2 * p + 1]);
+        for (int p = 0; p < PAIRS; ++p) {
+            best = fmaxf(best, f16_value(w[u][p] & 0xffffu) * f[2 * p]);
+            if (2 * p + 1 < G) best = fmaxf(best, f16_value(w[u][p] >> 16) * f[2 * p + 1]);
         }
-        scores[rh * N + n] = marked ? fill : best;
+        scores[rh * N + n] = (w[u][0] & 0xffffu) == NOT_SELECTABLE ? fill : best;
     }
 }
+
+#define CODE_FINISH(PAIRS)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FINISH_THREADS) code_scores_finish_p##PAIRS(                       \
+        float* scores, const unsigned* exps, const float* gmaxes, const float* part_max, const float* part_sum,    \
+        int Hkv, int G, int N, int n_tiles, float fill) {                                                          \
+        code_scores_finish_impl<PAIRS>(scores, exps, gmaxes, part_max, part_sum, Hkv, G, N, n_tiles, fill);        \
+    }
+
+// Kernel names: p<Gp / 2>, the words of exponentials per token (G = 1-2, 3-4, 5-6, 7-8).
+CODE_FINISH(1)
+CODE_FINISH(2)
+CODE_FINISH(3)
+CODE_FINISH(4)

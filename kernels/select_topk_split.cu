@@ -105,19 +105,22 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
     for (int b = tid; b < TOP_BINS; b += SPLIT_THREADS) hist[b] = 0;
     __syncthreads();
     const int begin = blockIdx.x * part, end = min(begin + part, N);
+    // Every load in flight before any is counted: each reads in bounds (a part's last score stands in past its end),
+    // without a branch. A load under `i < end` sat in a basic block of its own, and the 32 round trips ran one after
+    // another (Nsight Compute on an H100 machine: each load's first use stalled, DRAM at 26% of peak).
+    float values[SPLIT_ITEMS];
+#pragma unroll
+    for (int j = 0; j < SPLIT_ITEMS; ++j) values[j] = row[min(begin + j * SPLIT_THREADS + tid, end - 1)];
     unsigned digits[SPLIT_ITEMS];
 #pragma unroll
-    for (int j = 0; j < SPLIT_ITEMS; ++j) {  // every load in flight before any is counted
-        const int i = begin + j * SPLIT_THREADS + tid;
-        digits[j] = i < end ? order_key(row[i]) >> (TOP_SHIFT - 32) : TOP_BINS;
-    }
+    for (int j = 0; j < SPLIT_ITEMS; ++j)
+        digits[j] = begin + j * SPLIT_THREADS + tid < end ? order_key(values[j]) >> (TOP_SHIFT - 32) : TOP_BINS;
 #pragma unroll
     for (int j = 0; j < SPLIT_ITEMS; ++j) {
-        // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once. Scores of a few binades
-        // share ~100 bins, so the shared atomics bound this kernel (3.64 ms of the 88.7 ms YAKV step at batch 22,
-        // `yakv_profile_128k_batch22_split`). Adding each digit once with its lanes' count (__match_any_sync) was
-        // over twice as slow at 176 rows on an H200 machine, and warps taking turns over two histograms changed
-        // nothing (exploratory timings, not kept).
+        // A warp whose lanes share a digit (clustered scores, or a part's tail) adds once. The shared atomics are
+        // not what bounds this kernel (a finer first digit for probabilities, which spreads them over 8x the bins,
+        // changed nothing: docs/results.md); adding each digit once with its lanes' count (__match_any_sync) was
+        // over twice as slow at 176 rows on an H200 machine (exploratory timings, not kept).
         const unsigned first = __shfl_sync(0xffffffffu, digits[j], 0);
         if (__all_sync(0xffffffffu, digits[j] == first)) {
             if (lane == 0 && first < TOP_BINS) atomicAdd(&hist[first], 32u);
@@ -171,12 +174,14 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = scores + (long long)blockIdx.y * row_stride;
     const int begin = blockIdx.x * (SPLIT_THREADS * FILTER_ITEMS);
-    unsigned orders[FILTER_ITEMS];  // the keys' score halves (the index half follows from the position)
+    // The keys' score halves (the index half follows from the position); loads in bounds and without branches, all
+    // in flight at once, as topk_histogram's.
+    float values[FILTER_ITEMS];
 #pragma unroll
-    for (int j = 0; j < FILTER_ITEMS; ++j) {
-        const int i = begin + j * SPLIT_THREADS + tid;
-        orders[j] = i < N ? order_key(row[i]) : 0u;
-    }
+    for (int j = 0; j < FILTER_ITEMS; ++j) values[j] = row[min(begin + j * SPLIT_THREADS + tid, N - 1)];
+    unsigned orders[FILTER_ITEMS];
+#pragma unroll
+    for (int j = 0; j < FILTER_ITEMS; ++j) orders[j] = begin + j * SPLIT_THREADS + tid < N ? order_key(values[j]) : 0u;
     unsigned n_above = 0, n_in = 0;  // this warp's, the same in every lane
 #pragma unroll
     for (int j = 0; j < FILTER_ITEMS; ++j) {

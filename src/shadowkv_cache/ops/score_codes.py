@@ -310,7 +310,7 @@ def _code_scores_mma(
     )
     fill32 = (float(fill), ctypes.c_float)
     kernels.launch(
-        "code_scores_finish",
+        f"code_scores_finish_p{pairs}",
         grid=(-(-num // _FINISH_TILE), heads, batch),
         block=(_FINISH_THREADS, 1, 1),
         args=[*(scores, exps, group_max, part_max, part_sum), *((x, i32) for x in (heads, group, num, tiles)), fill32],
