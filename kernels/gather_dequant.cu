@@ -25,7 +25,7 @@
 /// decodes the first, then writes each token's key and value.
 ///
 /// \param keys, values  [B, Hkv, K, D] T, out
-/// \param ids           [B, Hkv, K] int64 token of each slot (< N; not read where `fetch` is 0)
+/// \param ids           [B, Hkv, K] int64 token of each slot (< N where `fetch` is 1; read for every slot)
 /// \param fetch         [B, Hkv, K] bool slots to fetch, or null for all of them
 /// \param host          pinned records [R, Hkv, N, E], device-visible pointer; record (r, h, t) at
 ///                      r*row_stride + h*head_stride + t*E bytes
@@ -56,16 +56,16 @@ __device__ __forceinline__ void gather_dequant_impl(T* keys, T* values, const lo
     unsigned w[GD_RECORDS][NW];
 #pragma unroll
     for (int r = 0; r < GD_RECORDS; ++r) {
-        const long long slot = first + r;
-        live[r] = slot < total && (fetch == nullptr || fetch[slot]);  // uniform over the warp
-        src[r] = nullptr;
-        if (live[r]) {
-            const long long row = slot / ((long long)Hkv * K), head = (slot / K) % Hkv;
-            const long long stored = row_map[row], token = ids[slot];
-            src[r] = token < mirrored
-                         ? mirror + stored * mirror_row_stride + head * mirror_head_stride + token * E
-                         : host + stored * row_stride + head * head_stride + token * (long long)E;
-        }
+        // The slot's flag, id and stored row are read together, in bounds (the last slot stands in past the end) and
+        // whatever the flag says, so the record's loads wait on one round trip before them, not two: reading the id
+        // only behind the flag made the flag, the id and the record three round trips one after another. An id where
+        // the flag is 0 is only added to a pointer that is not read.
+        const long long slot = first + r, at = slot < total ? slot : total - 1;
+        const long long row = at / ((long long)Hkv * K), head = (at / K) % Hkv;
+        const long long token = ids[at], stored = row_map[row];
+        live[r] = slot < total && (fetch == nullptr || fetch[at]);  // uniform over the warp
+        src[r] = token < mirrored ? mirror + stored * mirror_row_stride + head * mirror_head_stride + token * E
+                                  : host + stored * row_stride + head * head_stride + token * (long long)E;
 #pragma unroll
         for (int i = 0; i < NW; ++i)
             w[r][i] = live[r] && vec4 && lane + 32 * i < n ? reinterpret_cast<const unsigned int*>(src[r])[lane + 32 * i]
