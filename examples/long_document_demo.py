@@ -126,9 +126,17 @@ def main() -> None:
         parser.error(f"--tokens {args.tokens} does not fit SmolLM2's context; use at most {limit}")
     document = build_document(tokenizer, args.tokens)
     print(
-        f"Document: {len(tokenizer(document).input_ids)} tokens, {len(FACTS)} facts planted; "
-        f"device {args.device}, {dtype}.\n"
+        f"Document text: {len(tokenizer(document).input_ids)} tokens, {len(FACTS)} facts planted (each prompt adds "
+        f"the chat template and a question); device {args.device}, {dtype}."
     )
+    if args.device == "cpu":
+        # What a first run on a laptop shows otherwise puzzles: ShadowKV slower, and "device" plus "host" memory above
+        # DynamicCache's, because on CPU both are the same RAM.
+        print(
+            "On CPU the device and host memory are the same RAM and the kernels run as their PyTorch twins, so "
+            "ShadowKV is not faster here: what it saves is GPU memory and GPU time (run with --device cuda on a GPU)."
+        )
+    print()
 
     # The defaults: each layer's rank chosen from the prompt (rank="auto"), a budget of max(2048, 1.6% of the prompt)
     # tokens per KV head, at most a quarter of the prompt (1500 at the default 6000 tokens).
