@@ -117,7 +117,8 @@ def main() -> None:
         help="prompts shorter than this stay exact (default 4096); lower it to compress a short --tokens document",
     )
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    on_cpu = torch.device(args.device).type == "cpu"
+    dtype = getattr(torch, args.dtype or ("float32" if on_cpu else "bfloat16"))
     options = {} if args.min_compress_len is None else {"min_compress_len": args.min_compress_len}
 
     model, tokenizer = load_smollm2(dtype=dtype, device=args.device)
@@ -129,7 +130,7 @@ def main() -> None:
         f"Document text: {len(tokenizer(document).input_ids)} tokens, {len(FACTS)} facts planted (each prompt adds "
         f"the chat template and a question); device {args.device}, {dtype}."
     )
-    if args.device == "cpu":
+    if on_cpu:
         # What a first run on a laptop shows otherwise puzzles: ShadowKV slower, and "device" plus "host" memory above
         # DynamicCache's, because on CPU both are the same RAM.
         print(
