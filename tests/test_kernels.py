@@ -623,8 +623,9 @@ def topk_scores(rows, n, kind, gen):
         (40, 1024, 1),
         # The split kernels: rows past one block's registers (YAKV's tokens at 128K, at batch 1 and 8), k past 2048,
         # k == N (a bin past the buffer: the row read again), more rows than the grid needs parts for (one part per
-        # row), and a row of 2^20 scores over many parts.
+        # row), a row of 2^20 scores over many parts, and k below the sort's least width (64 keys, a warp's).
         (1, 70001, 777),
+        (4, 70001, 5),
         (8, 131072, 4096),
         (64, 131072, 4096),
         (3, 40000, 5000),

@@ -89,7 +89,8 @@ def kernel_fits(scores: torch.Tensor, k: int) -> bool:
 
 
 def _sort_width(k: int) -> int:
-    return 1 << max(k - 1, 0).bit_length()
+    """topk_finish's sort: k rounded up to a power of two, at least a warp's 64 keys."""
+    return max(64, 1 << max(k - 1, 0).bit_length())
 
 
 def _finish_shared(k: int) -> int:
