@@ -12,9 +12,9 @@
 // 2. `topk_filter`: the keys above the bin go to the row's candidates (fewer than k), the keys in it to the row's
 //    bin buffer (a typical row's bin holds a small share of N: an eighth of a binade of scores).
 // 3. `topk_finish`, a block per row: a radix select of the rest of the bits among the bin's keys in shared memory
-//    adds the k-th and the keys above it to the candidates, which are sorted in shared memory (bitonic) into
-//    indices. A bin of more keys than the buffer holds (heavy ties: masked rows) is read from the row itself by the
-//    block, once per digit: slower, the same result.
+//    adds the k-th and the keys above it to the candidates, which are sorted (bitonic; the strides below 64 in a
+//    warp's registers) into indices. A bin of more keys than the buffer holds (heavy ties: masked rows) is read from
+//    the row itself by the block, once per digit: slower, the same result.
 //
 // Keys are 64-bit and distinct: the score's order key above N - 1 - index, so equal scores order by ascending index
 // and the k-th key is one key.
