@@ -18,7 +18,7 @@ from helpers import (
     small_budget_overrides,
     tiny_model,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.bounds import shadowkv_bound
@@ -41,6 +41,7 @@ SCALING = D**-0.5
     log_scale=st.floats(-20, 20),
     seed=st.integers(0, 2**16),
 )
+@example(shape=(3, 3, 3, 64), log_scale=1.6307448043531423, seed=3)
 def test_quantised_landmarks_are_within_half_a_step(shape, log_scale, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen) * torch.exp(torch.randn(*shape[:-1], 1, generator=gen) * 3) * 2.0**log_scale
@@ -52,7 +53,10 @@ def test_quantised_landmarks_are_within_half_a_step(shape, log_scale, seed):
     assert bool((codes[..., 0, :] == 0).all()) and bool((scales[..., 0] == 0).all())
     assert torch.equal(codes.abs().amax(-1)[..., 1:], torch.full_like(scales[..., 1:], 127, dtype=torch.int8))
     back = codes.float() * scales[..., None]
-    assert bool(((back - x).abs() <= scales[..., None] * 0.5 * (1 + 1e-5)).all())
+    # Half a step up to fp32 rounding: x / s and codes * s are each rounded (relative 2^-24 on up to 127.5 steps), so
+    # the bound is (0.5 + 255 * 2^-24) steps; 2^-15 covers it and the subtraction's own rounding. A ratio that rounds to
+    # exactly k + 0.5 (seed 3, shape (3, 3, 3, 64), log_scale 1.63) lands there.
+    assert bool(((back - x).abs() <= scales[..., None] * (0.5 + 2**-15)).all())
 
 
 @pytest.mark.parametrize("shared", [False, True])
