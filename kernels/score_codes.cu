@@ -465,6 +465,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         if constexpr (PACKED) {  // lanes tq < 2 finish token na, lanes tq >= 2 token nb: each reads its own norm
             const int nm = tq >= 2 ? nb : na;
             gr.in_a = nm < n1;
+            // Kept under its bounds test: the same read without it (the tile's tail padded as not selectable) is 4
+            // instructions shorter per group and made the pass 21% slower on an H100 machine (docs/results.md).
             const unsigned short h = gr.in_a ? norm_bits[nm - n0] : NOT_SELECTABLE;
             gr.ok_a = h != NOT_SELECTABLE;
             gr.scale_a = f16_value(h) * unit;
