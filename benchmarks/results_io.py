@@ -152,7 +152,8 @@ def write_results(
 ) -> None:
     """Write `<results dir>/<name>.json`, `.md` and `.png` (one line per `plot['series']` value; no plot if `None`).
 
-    `notes` (Markdown) goes above the table; `extra` is stored in the JSON beside the rows.
+    `notes` (Markdown) goes above the table; `extra` is stored in the JSON beside the rows. The plot draws `rows`, or
+    `plot['rows']` where the points are not the table's rows.
     """
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,8 @@ def write_results(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    numeric = [r for r in rows if all(isinstance(r.get(plot[k]), (int, float)) for k in ("x", "y"))]
+    points = plot.get("rows", rows)
+    numeric = [r for r in points if all(isinstance(r.get(plot[k]), (int, float)) for k in ("x", "y"))]
     for series in sorted({r[plot["series"]] for r in numeric}):
         pts = sorted((r[plot["x"]], r[plot["y"]]) for r in numeric if r[plot["series"]] == series)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{plot['series']}={series}")
