@@ -23,6 +23,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -144,17 +145,21 @@ def main(argv: list[str] | None = None) -> None:
 
     out = results_dir()
     work = Path(tempfile.mkdtemp(prefix="shadowkv-ab-")) if args.work is None else args.work
-    if args.base_dir is not None:
-        base_root, base_commit = args.base_dir, args.base_commit
-    else:
-        base_root = work / "base"
-        base_commit = export_tree(args.base, base_root)
-    module, bench_args = bench[0], bench[1:]
-    roots = {"base": (base_root, base_commit), "new": (_REPO, None)}
-    records = {}
-    for side in args.order.split(","):
-        root, commit = roots[side]
-        records[side] = run_side(root, module, bench_args, f"{args.name}_{side}", out, commit, work / f"cache_{side}")
+    try:
+        if args.base_dir is not None:
+            base_root, base_commit = args.base_dir, args.base_commit
+        else:
+            base_root = work / "base"
+            base_commit = export_tree(args.base, base_root)
+        roots = {"base": (base_root, base_commit), "new": (_REPO, None)}
+        records = {}
+        for side in args.order.split(","):
+            root, commit = roots[side]
+            cache = work / f"cache_{side}"
+            records[side] = run_side(root, bench[0], bench[1:], f"{args.name}_{side}", out, commit, cache)
+    finally:
+        if args.work is None:  # a temporary folder of ab's own: the base tree and both kernel caches
+            shutil.rmtree(work, ignore_errors=True)
 
     rows, settings, measured = compare_rows(records["base"]["rows"], records["new"]["rows"])
     env = environment(records["new"]["env"].get("device", "?"), records["new"]["env"].get("dtype", "?"))
