@@ -25,40 +25,29 @@ __all__ = ["HeldTokens"]
 class HeldTokens:
     """Selected tokens of one layer: ids `[B, Hkv, K]` (-1 = empty slot), keys and values `[B, Hkv, K, D]`.
 
-    The counters `hits` (selected tokens found held) and `lookups` (tokens selected) live on the device, so a step
-    never waits for the host to count; pass `counts` (`(hits, lookups)`, int64 scalars on the device) to go on
-    counting in the tensors of slots made earlier.
+    What the refreshes did is counted on the device, so a step never waits for the host to count: `counts` holds
+    (misses, refreshes, lookups); the scan adds the first two itself, a refresh adds its valid selection to the third,
+    and with a device mirror it counts the records read from host memory (`host_records`), which the scan cannot tell
+    from the mirrored ones. Hits are lookups less misses, taken when read (counting them in each refresh took three
+    more reductions and four additions per layer and step).
     """
 
-    def __init__(
-        self,
-        ids: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ):
+    def __init__(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         self.ids, self.keys, self.values = ids.contiguous(), keys.contiguous(), values.contiguous()
-        if counts is None:
-            counts = tuple(torch.zeros((), dtype=torch.int64, device=ids.device) for _ in range(2))
-        self.hits, self.lookups = counts
+        self.counts = torch.zeros(3, dtype=torch.int64, device=ids.device)  # misses, refreshes, lookups
+        self.host_records = torch.zeros((), dtype=torch.int64, device=ids.device)  # with a mirror
 
     @classmethod
-    def empty(
-        cls,
-        shape: tuple[int, int, int, int],
-        dtype: torch.dtype,
-        device: torch.device,
-        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> HeldTokens:
+    def empty(cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> HeldTokens:
         """Empty slots of `shape` `(B, Hkv, K, D)`."""
         ids = torch.full(shape[:3], -1, dtype=torch.int64, device=device)
         keys = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(ids, keys, keys.clone(), counts)
+        return cls(ids, keys, keys.clone())
 
-    @property
-    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(hits, lookups)`, the counters' tensors."""
-        return self.hits, self.lookups
+    def totals(self, mirrored: bool) -> torch.Tensor:
+        """`[4]` int64 on the device: (misses, refreshes, lookups, records read from host memory) so far; without a
+        device mirror (`mirrored` false) every miss was read from host memory."""
+        return torch.cat((self.counts, (self.host_records if mirrored else self.counts[0])[None]))
 
     @property
     def nbytes(self) -> int:
@@ -79,18 +68,16 @@ class HeldTokens:
         valid: torch.Tensor,
         store: QuantizedKVStore,
         quantizer: HiggsQuantizer,
-    ) -> torch.Tensor:
+    ) -> None:
         """Hold the tokens `wanted` (`[B, Hkv, K]` int64, distinct where `valid` `[B, Hkv, K]` bool): keep the ones
-        already held, fetch and dequantise the rest into freed slots. Returns the records read from host memory (a
-        device scalar): the fetched tokens but those the store's device mirror holds."""
-        self.ids, missed = temporal_scan(self.ids, wanted, valid, units=store.data.shape[2])
+        already held, fetch and dequantise the rest into freed slots."""
+        units = store.data.shape[2]
+        self.ids, missed = temporal_scan(self.ids, wanted, valid, units=units, counts=self.counts[:2])
         gather_dequant_missed(store, self.ids, missed, quantizer, self.keys, self.values)
-        selected, fetched = valid.sum(), missed.sum()
-        self.hits += (selected - fetched).clamp(min=0)
-        self.lookups += selected
-        # Without a mirror every fetched token was read from the host: no second reduction in the step.
-        return fetched if store.mirror is None else store.host_reads(self.ids, missed)
+        self.counts[2] += valid.sum()
+        if store.mirror is not None:
+            self.host_records += store.host_reads(self.ids, missed)
 
     def select_rows(self, index: torch.Tensor) -> HeldTokens:
-        """Rows `index` (`[B']`) of these slots (copied); the counters are shared."""
-        return HeldTokens(self.ids[index], self.keys[index], self.values[index], self.counts)
+        """Rows `index` (`[B']`) of these slots (copied), counting from zero (the owner keeps what these counted)."""
+        return HeldTokens(self.ids[index], self.keys[index], self.values[index])

@@ -54,11 +54,12 @@ class YakvMode:
         self._quantizer = quantizer
         self._pinned = False  # whether the prompt's records are in pinned memory (graph_safe)
         self._dense_bytes = 0  # read by dense multi-token steps (known on the host)
-        self._fetched_records: torch.Tensor | None = None  # by single-token steps (counted on the device)
-        self._sparse_steps: torch.Tensor | None = None  # steps that selected tokens (on the device, as the above)
-        # The held tokens' hit counters, kept when the slots are dropped and made again (a new prefix, a rolled-back
-        # call), so that they count every step of this layer, as the byte counter does.
-        self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What single-token steps did, on the device: (misses, steps, lookups, records read from host memory), banked
+        # from held tokens when they are replaced or dropped (a new prefix, rows reordered, a rolled-back call), and
+        # counted here by steps that hold nothing (a policy that shares the budget). The live held tokens count
+        # their own (`HeldTokens.totals`).
+        self._bank: torch.Tensor | None = None
+        self._hit_base: torch.Tensor | None = None  # (misses, lookups) at the last reset_hit_counts
 
     def empty_like(self) -> YakvMode:
         """A mode of the same settings that holds nothing; it shares the quantiser, whose tables are already on the
@@ -93,14 +94,14 @@ class YakvMode:
         """Host-to-device bytes of quantised records read so far: the selected tokens single-token steps did not
         hold, every token of dense multi-token steps, but those the device mirror holds (reading it waits for the
         device's counter)."""
-        records = 0 if self._fetched_records is None else int(self._fetched_records)
+        records = 0 if self._bank is None else int(self._totals()[3])
         record_bytes = 0 if self.prompt is None else self.prompt.store.record_bytes
         return self._dense_bytes + records * record_bytes
 
     @property
     def sparse_steps(self) -> int:
         """Decode steps that selected tokens (reading it waits for the device's counter)."""
-        return 0 if self._sparse_steps is None else int(self._sparse_steps)
+        return 0 if self._bank is None else int(self._totals()[1])
 
     @property
     def graph_safe(self) -> bool:
@@ -116,15 +117,16 @@ class YakvMode:
 
     def set_prompt(self, prompt: QuantizedPrompt | None) -> None:
         """Hold `prompt` (a loaded, shared or joined one) with no token held yet."""
-        self.prompt, self.held = prompt, None
+        self._retire_held()
+        self.prompt = prompt
         self._pinned = prompt is not None and prompt.store.data.is_pinned()
         if prompt is not None:
             # Counters are made here, never inside a step: a step captured as a graph would replay their creation
             # and zero them at every replay (a cache reset keeps its layers' readiness to capture).
             device = prompt.local_keys.device
-            if self._fetched_records is None or self._fetched_records.device != device:
-                self._fetched_records = torch.zeros((), dtype=torch.int64, device=device)
-                self._sparse_steps = torch.zeros_like(self._fetched_records)
+            if self._bank is None or self._bank.device != device:
+                self._bank = torch.zeros(4, dtype=torch.int64, device=device)
+                self._hit_base = torch.zeros(2, dtype=torch.int64, device=device)
         if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
             batch, heads, _ = prompt.selectable.shape
             like = prompt.local_keys
@@ -134,22 +136,39 @@ class YakvMode:
 
     def drop_decode_state(self) -> None:
         """Free what only decoding needs (the held tokens); the next sparse step makes them again."""
-        self.held = None
+        self._retire_held()
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep cache rows `index` (`[B']`, on the device), e.g. beam reordering."""
         self.prompt = self.prompt.select_rows(index)
         if self.held is not None:
-            self.held = self.held.select_rows(index)
+            held = self.held.select_rows(index)
+            self._retire_held()
+            self.held = held
+
+    def _retire_held(self) -> None:
+        """Bank what the held tokens counted, and drop them."""
+        if self.held is not None and self._bank is not None:
+            self._bank += self.held.totals(self._mirrored).to(self._bank.device)
+        self.held = None
+
+    @property
+    def _mirrored(self) -> bool:
+        return self.prompt is not None and self.prompt.store.mirror is not None
+
+    def _totals(self) -> torch.Tensor:
+        """(misses, steps, lookups, host records) of every single-token step so far (a device tensor)."""
+        if self.held is None:
+            return self._bank
+        return self._bank + self.held.totals(self._mirrored).to(self._bank.device)
 
     def graph_key(self) -> tuple:
         return id(self.prompt), id(self.held)
 
     def _empty_held(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> HeldTokens:
-        """Empty slots of `shape` `(B, Hkv, K, D)` that count in this layer's counters."""
-        if self._counts is None or self._counts[0].device != device:
-            self._counts = tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
-        return HeldTokens.empty(shape, dtype, device, self._counts)
+        """Empty slots of `shape` `(B, Hkv, K, D)`, after banking what the slots before them counted."""
+        self._retire_held()
+        return HeldTokens.empty(shape, dtype, device)
 
     def attend(
         self,
@@ -179,7 +198,6 @@ class YakvMode:
                 prompt.budget_tokens,
             )
             sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
-            self._sparse_steps += 1
         parts = [
             (sel_keys, sel_values, sel_valid[:, :, None, :]),
             (prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]),
@@ -198,11 +216,12 @@ class YakvMode:
             keys = torch.zeros((*ids.shape, quantizer.head_dim), dtype=dtype, device=ids.device)
             values = torch.zeros_like(keys)
             gather_dequant_missed(store, ids, valid, quantizer, keys, values)
-            self._fetched_records += store.host_reads(ids, valid)
+            self._bank[1] += 1  # a step (no lookups are counted: no token is held)
+            self._bank[3] += store.host_reads(ids, valid)
             return keys, values, valid
         if self.held is None or not self.held.fits(ids, dtype):
             self.held = self._empty_held((*ids.shape, quantizer.head_dim), dtype, ids.device)
-        self._fetched_records += self.held.refresh(ids, valid, store, quantizer)
+        self.held.refresh(ids, valid, store, quantizer)
         return self.held.keys, self.held.values, self.held.held
 
     def _whole_prompt(
@@ -223,14 +242,16 @@ class YakvMode:
     def hit_counts(self) -> tuple[int, int] | None:
         """(selected tokens found held from the previous step, tokens selected) so far; None when this layer never
         held tokens (a policy that shares the budget)."""
-        if self._counts is None:
+        if self._bank is None or not self.reuses:
             return None
-        return int(self._counts[0]), int(self._counts[1])
+        totals = self._totals()
+        misses, lookups = (totals[[0, 2]] - self._hit_base).tolist()
+        return lookups - misses, lookups
 
     def reset_hit_counts(self) -> None:
-        """Zero the counters behind `hit_counts`, in place."""
-        for count in self._counts or ():
-            count.zero_()
+        """Zero the counts behind `hit_counts` (from now on: in place, so captured steps go on counting)."""
+        if self._bank is not None:
+            self._hit_base.copy_(self._totals()[[0, 2]])
 
     def sizes(self) -> tuple[None, int]:
         """(None: keys are quantised, not factorised; tokens selected per KV head and step, the largest over rows)."""
