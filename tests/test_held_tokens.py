@@ -156,3 +156,22 @@ def test_beam_search_reorders_the_held_tokens_with_their_rows():
     assert reused_cache.layers[0].mode.held.ids.shape[0] == 6  # one row of slots per beam
     hits, lookups = reused_cache.layers[0].hit_counts()
     assert 0 < hits < lookups
+
+
+def test_held_tokens_restored_by_a_rollback_are_not_counted_twice():
+    """A call that fails restores the mode's attributes as they were, held tokens included, then drops them: what
+    they counted is banked once, so the counters after the rollback are those before the failed call."""
+    model = tiny_model("llama")
+    cache = ShadowKVCache(model, mode="yakv", sparse_budget=24, min_compress_len=64)
+    with torch.no_grad():
+        logits = forward_with(model, random_prompt(300, seed=64), cache).logits[:, -1]
+        for _ in range(3):
+            logits = forward_with(model, logits.argmax(-1, keepdim=True), cache).logits[:, -1]
+    mode = cache.layers[0].mode
+    before = (mode.hit_counts(), mode.fetched_bytes, mode.sparse_steps)
+    assert before[0][1] == 3 * 24 * NUM_KV_HEADS and before[2] == 3
+    saved = dict(vars(mode))
+    mode.drop_decode_state()  # the failed call dropped (banked) the held tokens ...
+    vars(mode).update(saved)  # ... the rollback restores them ...
+    mode.drop_decode_state()  # ... and drops them again
+    assert (mode.hit_counts(), mode.fetched_bytes, mode.sparse_steps) == before

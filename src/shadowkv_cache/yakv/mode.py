@@ -147,9 +147,12 @@ class YakvMode:
             self.held = held
 
     def _retire_held(self) -> None:
-        """Bank what the held tokens counted, and drop them."""
+        """Bank what the held tokens counted, and drop them. Their counts are zeroed, so slots that come back (a
+        call rolled back restores the mode's attributes) are not banked twice."""
         if self.held is not None and self._bank is not None:
             self._bank += self.held.totals(self._mirrored).to(self._bank.device)
+            self.held.counts.zero_()
+            self.held.host_records.zero_()
         self.held = None
 
     @property
