@@ -190,10 +190,11 @@ CODE_LOGITS_ALL_G(8)
 // so 32*g is an int8 exactly. Each query head is scaled by s = (2^23 - 2^16) / max|q| and rounded to an integer q24
 // (2^-24 of its largest coordinate), written q24 = 2^16 hi + 2^8 mid + lo with int8 digits. The dots of the digits with
 // the int8 points are exact in int32 and are combined in fp32 (one rounding): the logits differ from the twin's by
-// the query's rounding and fp32 round-off, like the fp32 kernel's. G <= 4 packs the hi digits of the group's heads in
-// B columns 0-3 and the mid digits in 4-7 (lanes tq and tq^2 swap the halves through one shuffle), and the lo digits
-// in a second MMA (columns 4-7 repeat 0-3, so every lane of a quad holds the three digits of its heads); G > 4 takes a
-// MMA per digit.
+// the query's rounding and fp32 round-off, like the fp32 kernel's. G <= 4 puts head h's hi and mid digits in B columns
+// 2h and 2h+1 of one MMA and its lo digit in column 2h of a second (odd columns zero), so lane tq of a quad holds all
+// three digits of head tq for both of its tokens and finishes them alone: no exchange between lanes, one softmax
+// state, three shuffles for a group's max (the layout before, hi digits in columns 0-3 and mid in 4-7, took 22 more
+// instructions per group); G > 4 takes a MMA per digit.
 //
 // One pass over the codes (`code_states_mma`): per-tile softmax states, and each logit as an fp16 exponential relative
 // to the max of its head over the 16 tokens an MMA covers, with that max in fp32. A second kernel (`code_scores_finish`)
@@ -225,15 +226,15 @@ CODE_LOGITS_ALL_G(8)
 #define MMA_COPIES 32  // copies of the int8 grid in shared memory, one per lane: no bank conflicts
 #define NOT_SELECTABLE 0x7e00  // a NaN fp16 pattern: no key norm is NaN, and cvt writes NaN as 0x7fff
 #define Q24_MAX 8323072.f      // 2^23 - 2^16: the largest |q24|, whose three digits stay in int8
+#define NEG_FLT_MAX (-3.40282347e38f)  // a finite floor for maxima: 2^(-inf - it) is 0 where 2^(-inf - -inf) is NaN
 
 /// \brief Add a group of base-2 logits, given as their max `g` and the sum of 2^(logit - g), to a base-2 softmax
 /// state; a group with nothing selectable (g = -inf) adds nothing.
 __device__ __forceinline__ void add_group2(float& m, float& s, float g, float sum) {
     // Without branches (code_states_mma overlaps two groups' work only within one basic block): the new max's two
-    // exponentials; while both maxima are -inf nothing has been added and s stays 0.
-    const float hi = fmaxf(m, g);
-    const float t = fmaf(s, exp2_ftz(m - hi), sum * exp2_ftz(g - hi));
-    s = hi == NEG_INF ? s : t;
+    // exponentials, taken against -FLT_MAX when both maxima are -inf (nothing added yet), so both are 0 and s stays 0.
+    const float hi = fmaxf(m, g), his = fmaxf(hi, NEG_FLT_MAX);
+    s = fmaf(s, exp2_ftz(m - his), sum * exp2_ftz(g - his));
     m = hi;
 }
 
@@ -241,6 +242,10 @@ __device__ __forceinline__ void add_group2(float& m, float& s, float g, float su
 /// scheduler interleaves two groups in).
 __device__ __forceinline__ void store_if(unsigned* p, unsigned v, bool pred) {
     asm volatile("{ .reg .pred q; setp.ne.u32 q, %2, 0; @q st.global.u32 [%0], %1; }" ::"l"(p), "r"(v),
+                 "r"((unsigned)pred));
+}
+__device__ __forceinline__ void store_if(float* p, float x, bool pred) {
+    asm volatile("{ .reg .pred q; setp.ne.u32 q, %2, 0; @q st.global.f32 [%0], %1; }" ::"l"(p), "f"(x),
                  "r"((unsigned)pred));
 }
 __device__ __forceinline__ void store_if(float* p, float x, float y, bool pred) {
@@ -261,8 +266,18 @@ template <int CPT> __device__ __forceinline__ void load_words(const unsigned cha
     }
 }
 
-/// \brief Copy N bytes from global to shared memory asynchronously (zeros when `!valid`; `src` must still point
-/// into the tensor).
+/// \brief The shared-window address of `p` (a pointer into shared memory), and a 32-bit read there.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ unsigned load_shared(unsigned addr) {
+    unsigned v;
+    asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+/// \brief Copy N bytes from global to shared memory asynchronously; when `!valid` it writes N zeros and reads
+/// nothing (a source size of 0), so `src` may then point past the tensor.
 template <int N> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
     unsigned addr;
@@ -326,7 +341,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     // Stages of the code ring; under 48 KiB of static shared memory in all (the table takes 32 KiB).
     constexpr int DEPTH = CPT == 16 ? 2 : CPT == 8 ? MMA_DEPTH_K8 : 5;
     __shared__ __align__(16) unsigned table[256 * MMA_COPIES];
-    __shared__ unsigned short norm_bits[MMA_TILE];
+    // A tile's norms, tokens i and i + 8 of each 16-token group side by side (one 32-bit read gives a lane both).
+    __shared__ __align__(4) unsigned short norm_bits[MMA_TILE];
     __shared__ __align__(16) unsigned char stage[THREADS / 32][DEPTH][16 * M];
     __shared__ float wm[THREADS / 32][8], ws[THREADS / 32][8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
@@ -341,11 +357,18 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         const unsigned v = __ldg(points8 + i / (MMA_COPIES / 4));
         reinterpret_cast<uint4*>(table)[i] = make_uint4(v, v, v, v);
     }
-    // This lane's output columns: heads col0 and col1, whose scales lanes 4*col0 and 4*col1 hold.
-    const int col0 = PACKED ? 2 * (tq & 1) : 2 * tq, col1 = col0 + 1;
-    const bool writes = (!PACKED || tq < 2) && col0 < G;  // this lane stores its pair (the second may be padding)
-    // Entry v of this lane's copy of the table is 128 bytes (one word per lane) after entry v - 1.
-    const unsigned char* tab = reinterpret_cast<const unsigned char*>(table + (lane & (MMA_COPIES - 1)));
+    // This lane's output columns: PACKED, head tq, whose exponentials it stores in the word of heads col0 and col1
+    // (with lane tq^1), and whose scale lanes 8*tq.. hold; else heads col0 and col1, whose scales lanes 4*col0 and
+    // 4*col1 hold.
+    const int col0 = PACKED ? tq & 2 : 2 * tq, col1 = col0 + 1;
+    const bool writes = col0 < G;  // this lane stores a pair of heads (the second may be padding)
+    // Entry v of this lane's copy of the table is 128 bytes (one word per lane) after entry v - 1, at shared address
+    // tab + 128 v. The 128 is read from blockDim so that each address is one IMAD, which issues to the FMA pipe: a
+    // constant 128 made it a shift-and-add (LEA) on the integer pipe, which takes a warp's instruction every second
+    // cycle and was this loop's bound (PRMT, selects, compares: about half of its instructions).
+    const unsigned tab = shared_address(table + (lane & (MMA_COPIES - 1)));
+    const unsigned entry = blockDim.x / THREADS * (4 * MMA_COPIES);
+    const unsigned norms_at = shared_address(norm_bits) + 4 * gid;  // the pair of tokens gid, gid + 8 of group 0
     // Per-lane constants of the logits, in base 2: 2^l = e^logit.
     constexpr float LOG2E = 1.4426950408889634f;
     const float unit = 1.f / sqrt_d;
@@ -365,22 +388,25 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     const int row = rh_index / Hkv, head = rh_index - row * Hkv;
     const size_t rh = rh_index;
     __syncthreads();  // the previous tile's readers of norm_bits, wm and ws are done
-    // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable), read once per block, so the token loop
-    // waits on no global load but the codes'.
-    const int n0 = tile * MMA_TILE, n1 = min(N, n0 + MMA_TILE);
+    // The tile's norms (fp16 bits; a NaN pattern marks tokens not selectable, and the tokens past the end of a tile's
+    // last group), read once per block, so the token loop waits on no global load but the codes'.
+    const int n0 = tile * MMA_TILE, n1 = min(N, n0 + MMA_TILE), n16 = min(n0 + MMA_TILE, (n1 + 15) & ~15);
     {
         const f16* norm_head = norms + row * norms_row_stride + (size_t)head * N;
         const bool* sel = selectable + row * sel_row_stride + head * sel_head_stride;
 #pragma unroll 16
-        for (int n = n0 + threadIdx.x; n < n1; n += THREADS)
-            norm_bits[n - n0] = sel[n] ? norm_head[n].x : NOT_SELECTABLE;
+        for (int n = n0 + threadIdx.x; n < n16; n += THREADS) {
+            const int i = n - n0;
+            norm_bits[(i & ~15) | (i & 7) << 1 | (i >> 3 & 1)] = n < n1 && sel[n] ? norm_head[n].x : NOT_SELECTABLE;
+        }
     }
 
-    // B fragments: column gid of MMA `part` is digit `digit` of query head `hq` (zeros beyond G); word j holds dims
-    // 4c..4c+3 of code c = tq*CPT + j, and k-tile t takes words 2t (b0) and 2t+1 (b1).
+    // B fragments: column gid of MMA `part` is digit `digit` of query head `hq` (zeros beyond G, and PACKED in the odd
+    // columns of the lo digits' MMA); word j holds dims 4c..4c+3 of code c = tq*CPT + j, and k-tile t takes words 2t
+    // (b0) and 2t+1 (b1).
     if (rh_index != made_for) {  // uniform over the block
     made_for = rh_index;
-    const int hq = PACKED ? (gid & 3) : gid;
+    const int hq = PACKED ? gid >> 1 : gid;
     float qv[CPT][4];
     float qmax = 0.f, qsum = 0.f;
     const float* qrow = query + (rh * G + hq) * D;
@@ -409,12 +435,14 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         for (int i = 0; i < 4; ++i) q24[i] = __float2int_rn(qv[j][i] * s);
 #pragma unroll
         for (int part = 0; part < PARTS; ++part) {
-            const int digit = PACKED ? (part == 1 ? 2 : gid < 4 ? 0 : 1) : part;
-            bq[part][j] = pack_s8x4(q24_digit(q24[0], digit), q24_digit(q24[1], digit), q24_digit(q24[2], digit),
-                                    q24_digit(q24[3], digit));
+            const int digit = PACKED ? (part == 1 ? 2 : gid & 1) : part;
+            bq[part][j] = PACKED && part == 1 && (gid & 1)
+                              ? 0u
+                              : pack_s8x4(q24_digit(q24[0], digit), q24_digit(q24[1], digit),
+                                          q24_digit(q24[2], digit), q24_digit(q24[3], digit));
         }
     }
-    k0 = __shfl_sync(0xffffffffu, down, 4 * col0) * scaling * LOG2E;
+    k0 = __shfl_sync(0xffffffffu, down, PACKED ? 8 * tq : 4 * col0) * scaling * LOG2E;
     k1 = __shfl_sync(0xffffffffu, down, 4 * col1) * scaling * LOG2E;
     }
     __syncthreads();  // the table (first tile) and the tile's norms are in place
@@ -427,21 +455,26 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     const int iters = first < n1 ? (n1 - first + STRIDE - 1) / STRIDE : 0;
     const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * CPT;
     const unsigned char* src = code_head + (size_t)(first + gid) * M;  // token na of the next group to issue
+    // The ring's slots as byte offsets; with a power-of-two depth the next slot is one add and one mask.
+    constexpr int SLOT = 16 * M;
+    auto next_slot = [](int off) {
+        if constexpr ((DEPTH & (DEPTH - 1)) == 0) return (off + SLOT) & (DEPTH * SLOT - 1);
+        else return off == (DEPTH - 1) * SLOT ? 0 : off + SLOT;
+    };
     int next = first + gid, slot_in = 0, slot_out = 0;
     unsigned char* ring_a = &stage[warp][0][gid * M + tq * CPT];
-    auto issue = [&]() {  // the next group into slot `slot_in`; past the end, a zero-filled no-op
-        const bool va = next < n1, vb = next + 8 < n1;
-        cp_async<CPT>(ring_a + slot_in * 16 * M, va ? src : code_head, va);
-        cp_async<CPT>(ring_a + slot_in * 16 * M + 8 * M, vb ? src + 8 * M : code_head, vb);
+    auto issue = [&]() {  // the next group into slot `slot_in`; past the end, a zero fill that reads nothing
+        cp_async<CPT>(ring_a + slot_in, src, next < n1);
+        cp_async<CPT>(ring_a + slot_in + 8 * M, src + 8 * M, next + 8 < n1);
         cp_async_commit();
         next += STRIDE;
         src += (size_t)STRIDE * M;
-        slot_in = slot_in == DEPTH - 1 ? 0 : slot_in + 1;
+        slot_in = next_slot(slot_in);
     };
     unsigned* out_a = exps + rh * N * pairs + (size_t)(first + gid) * pairs + (col0 >> 1);  // token na's word
     float* out_g = gmaxes + rh * groups * (2 * pairs) + (size_t)(first >> 4) * (2 * pairs) + col0;
     const int out_step = STRIDE * pairs, gmax_step = STRIDE / 16 * (2 * pairs);
-    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's base-2 states of columns col0, col1
+    float m0 = NEG_INF, s0 = 0.f, m1 = NEG_INF, s1 = 0.f;  // this tile's base-2 states of col0, col1 (PACKED: head tq in m0, s0)
 
     // One group of 16 tokens: its MMAs (`score`), then its logits, maxima, exponentials and states (`finish`). The loop
     // finishes group i - 1 after scoring group i: the two chains do not depend on each other, so the scheduler
@@ -450,7 +483,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     // stores are predicated and add_group2 selects.
     struct Group {
         int acc[PARTS][4];
-        float scale_a, scale_b;  // PACKED: scale_a is the scale of this lane's own token
+        float scale_a, scale_b;  // of tokens na and nb
         bool ok_a, ok_b, in_a, in_b;
     };
     int na = first + gid;
@@ -459,22 +492,16 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
         cp_async_wait<DEPTH - 1>();
         const int nb = na + 8;
         unsigned wa[W], wb[W];
-        load_words<CPT>(ring_a + slot_out * 16 * M, wa);
-        load_words<CPT>(ring_a + slot_out * 16 * M + 8 * M, wb);
-        slot_out = slot_out == DEPTH - 1 ? 0 : slot_out + 1;
-        if constexpr (PACKED) {  // lanes tq < 2 finish token na, lanes tq >= 2 token nb: each reads its own norm
-            const int nm = tq >= 2 ? nb : na;
-            gr.in_a = nm < n1;
-            // Kept under its bounds test: the same read without it (the tile's tail padded as not selectable) is 4
-            // instructions shorter per group and made the pass 21% slower on an H100 machine (docs/results.md).
-            const unsigned short h = gr.in_a ? norm_bits[nm - n0] : NOT_SELECTABLE;
-            gr.ok_a = h != NOT_SELECTABLE;
-            gr.scale_a = f16_value(h) * unit;
-        } else {
+        load_words<CPT>(ring_a + slot_out, wa);
+        load_words<CPT>(ring_a + slot_out + 8 * M, wb);
+        slot_out = next_slot(slot_out);
+        {
+            // Tokens na and nb in one read, without a bounds test: a scored group starts before n1, and the rest of
+            // its last 16 tokens are marked not selectable.
             gr.in_a = na < n1;
             gr.in_b = nb < n1;
-            const unsigned short ha = gr.in_a ? norm_bits[na - n0] : NOT_SELECTABLE;
-            const unsigned short hb = gr.in_b ? norm_bits[nb - n0] : NOT_SELECTABLE;
+            const unsigned both = load_shared(norms_at + (((na - n0) >> 4) << 5));
+            const unsigned short ha = both & 0xffff, hb = both >> 16;
             gr.ok_a = ha != NOT_SELECTABLE;
             gr.ok_b = hb != NOT_SELECTABLE;
             gr.scale_a = f16_value(ha) * unit;
@@ -487,14 +514,13 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             for (int i = 0; i < 4; ++i) gr.acc[part][i] = 0;
 #pragma unroll
         for (int t = 0; t < NK; ++t) {
-            // Codes 2t and 2t+1 of this thread's CPT: bytes 2(t%2) and 2(t%2)+1 of word t/2; byte b of a word is
-            // moved to bits 8-15 and halved: the entry's offset, 128 * code.
+            // Codes 2t and 2t+1 of this thread's CPT: bytes 2(t%2) and 2(t%2)+1 of word t/2, each moved to bits 0-7.
             const unsigned xa = wa[t >> 1], xb = wb[t >> 1];
-            const unsigned sel0 = 0x4404 | ((2 * (t & 1)) << 4), sel1 = 0x4404 | ((2 * (t & 1) + 1) << 4);
-            const unsigned a[4] = {*reinterpret_cast<const unsigned*>(tab + (__byte_perm(xa, 0, sel0) >> 1)),
-                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xb, 0, sel0) >> 1)),
-                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xa, 0, sel1) >> 1)),
-                                   *reinterpret_cast<const unsigned*>(tab + (__byte_perm(xb, 0, sel1) >> 1))};
+            const unsigned sel0 = 0x4440 | (2 * (t & 1)), sel1 = 0x4440 | (2 * (t & 1) + 1);
+            const unsigned a[4] = {load_shared(__byte_perm(xa, 0, sel0) * entry + tab),
+                                   load_shared(__byte_perm(xb, 0, sel0) * entry + tab),
+                                   load_shared(__byte_perm(xa, 0, sel1) * entry + tab),
+                                   load_shared(__byte_perm(xb, 0, sel1) * entry + tab)};
 #pragma unroll
             for (int part = 0; part < PARTS; ++part)
                 imma_m16n8k32(gr.acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
@@ -505,33 +531,29 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     auto finish = [&](const Group& gr) {
         const int(&acc)[PARTS][4] = gr.acc;
         if constexpr (PACKED) {
-            // Lanes tq and tq^2 hold the hi and the mid digits of the same two heads for both tokens. One exchange of
-            // two words leaves lane tq < 2 all three digits of token na and lane tq^2 those of token nb, so each lane
-            // finishes two logits, not four.
-            const bool low = tq < 2;
-            const int got0 = __shfl_xor_sync(0xffffffffu, low ? acc[0][2] : acc[0][0], 2);
-            const int got1 = __shfl_xor_sync(0xffffffffu, low ? acc[0][3] : acc[0][1], 2);
-            const int hi0 = low ? acc[0][0] : got0, mid0 = low ? got0 : acc[0][2], lo0 = low ? acc[1][0] : acc[1][2];
-            const int hi1 = low ? acc[0][1] : got1, mid1 = low ? got1 : acc[0][3], lo1 = low ? acc[1][1] : acc[1][3];
-            // mid * 2^8 + lo is exact in int32 (|mid dot| < 2^22); the hi digit joins it in one fp32 rounding.
-            // Computed for every token, then selected (a conditional expression here became a branch).
-            const float r0 = fmaf((float)hi0, 65536.f, (float)(mid0 * 256 + lo0)) * k0 * gr.scale_a;
-            const float r1 = fmaf((float)hi1, 65536.f, (float)(mid1 * 256 + lo1)) * k1 * gr.scale_a;
-            const float l0 = gr.ok_a ? r0 : NEG_INF, l1 = gr.ok_a ? r1 : NEG_INF;
-            // Each column's max over the group's 16 tokens: lanes tq and tq^2 (tokens na, nb), then the 8 row groups.
-            float g0 = l0, g1 = l1;
+            // acc[0] holds the hi and mid digits' dots of head tq (tokens na, na, nb, nb), acc[1][0] and acc[1][2]
+            // its lo digit's. mid * 2^8 + lo is exact in int32 (|mid dot| < 2^22); the hi digit joins it in one fp32
+            // rounding. Computed for every token, then selected (a conditional expression here became a branch).
+            const float ra = fmaf((float)acc[0][0], 65536.f, (float)(acc[0][1] * 256 + acc[1][0])) * k0 * gr.scale_a;
+            const float rb = fmaf((float)acc[0][2], 65536.f, (float)(acc[0][3] * 256 + acc[1][2])) * k0 * gr.scale_b;
+            const float la = gr.ok_a ? ra : NEG_INF, lb = gr.ok_b ? rb : NEG_INF;
+            // Head tq's max over the group's 16 tokens: over the 8 row groups (lane bits 2..4).
+            float g = fmaxf(la, lb);
 #pragma unroll
-            for (int off = 2; off < 32; off <<= 1) {
-                g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
-                g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
-            }
-            // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros.
-            const float e0 = g0 == NEG_INF ? 0.f : exp2_ftz(l0 - g0), e1 = g1 == NEG_INF ? 0.f : exp2_ftz(l1 - g1);
-            const unsigned word = gr.ok_a ? pack_f16x2(e0 * UP, e1 * UP) : marked;
-            store_if(out_a + (low ? 0 : 8 * pairs), word, col0 < G && gr.in_a);
-            store_if(out_g, g0, g1, col0 < G && gid == 0 && low);
-            add_group2(m0, s0, g0, e0);  // lane tq^2 adds token nb's to its copy of the state: merged at the end
-            add_group2(m1, s1, g1, e1);
+            for (int off = 4; off < 32; off <<= 1) g = fmaxf(g, __shfl_xor_sync(0xffffffffu, g, off));
+            // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros, which
+            // -inf - (-FLT_MAX) gives without a test.
+            const float gs = fmaxf(g, NEG_FLT_MAX);
+            const float ea = exp2_ftz(la - gs), eb = exp2_ftz(lb - gs);
+            // A token's word holds heads col0 and col1: lanes tq and tq^1 swap one exponential, so the even lane
+            // stores token na's word and the odd lane token nb's.
+            const bool even = (tq & 1) == 0;
+            const float got = __shfl_xor_sync(0xffffffffu, even ? eb : ea, 1);
+            const unsigned word = pack_f16x2((even ? ea : got) * UP, (even ? got : eb) * UP);
+            const bool ok = even ? gr.ok_a : gr.ok_b;
+            store_if(out_a + (even ? 0 : 8 * pairs), ok ? word : marked, writes && (even ? gr.in_a : gr.in_b));
+            store_if(out_g + (tq & 1), g, writes && gid == 0);
+            add_group2(m0, s0, g, ea + eb);
         } else {
             float c[4];  // (token na, col0), (na, col1), (nb, col0), (nb, col1)
 #pragma unroll
@@ -580,15 +602,20 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     }
     cp_async_wait<0>();
 
-    // The quad's columns over the warp's 8 row groups (and, PACKED, lanes tq and tq^2: tokens na and nb), then over
-    // the block's warps.
-    for (int off = PACKED ? 2 : 4; off < 32; off <<= 1) {
+    // The quad's columns over the warp's 8 row groups, then over the block's warps. PACKED, lane tq holds head tq's
+    // state alone.
+    for (int off = 4; off < 32; off <<= 1) {
         merge_state<true>(m0, s0, __shfl_xor_sync(0xffffffffu, m0, off), __shfl_xor_sync(0xffffffffu, s0, off));
-        merge_state<true>(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
+        if constexpr (!PACKED)
+            merge_state<true>(m1, s1, __shfl_xor_sync(0xffffffffu, m1, off), __shfl_xor_sync(0xffffffffu, s1, off));
     }
-    if (gid == 0 && (!PACKED || tq < 2)) {
-        wm[warp][col0] = m0; ws[warp][col0] = s0;
-        wm[warp][col1] = m1; ws[warp][col1] = s1;
+    if (gid == 0) {
+        if constexpr (PACKED) {
+            wm[warp][tq] = m0; ws[warp][tq] = s0;
+        } else {
+            wm[warp][col0] = m0; ws[warp][col0] = s0;
+            wm[warp][col1] = m1; ws[warp][col1] = s1;
+        }
     }
     __syncthreads();
     if (threadIdx.x < G) {
