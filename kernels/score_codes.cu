@@ -276,13 +276,16 @@ __device__ __forceinline__ unsigned load_shared(unsigned addr) {
     return v;
 }
 
-/// \brief Copy N bytes from global to shared memory asynchronously; when `!valid` it writes N zeros and reads
-/// nothing (a source size of 0), so `src` may then point past the tensor.
-template <int N> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+/// \brief Copy BYTES (4, 8, 16 or 32: two 16-byte copies) from global memory to shared-window address `dst`
+/// asynchronously; when `!valid` it writes zeros and reads nothing (a source size of 0), so `src` may then point past
+/// the tensor.
+template <int BYTES> __device__ __forceinline__ void cp_async_to(unsigned dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(addr), "l"(src), "n"(N), "r"(valid ? N : 0));
+    constexpr int N = BYTES < 16 ? BYTES : 16;
+#pragma unroll
+    for (int i = 0; i < BYTES / N; ++i)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst + i * N),
+                     "l"(static_cast<const char*>(src) + i * N), "n"(N), "r"(valid ? N : 0));
 #else
     __trap();
 #endif
@@ -315,7 +318,8 @@ __device__ __forceinline__ unsigned pack_s8x4(int x0, int x1, int x2, int x3) {
 /// (one MMA group) at a time. `PACKED`: G <= 4 (two MMAs per k-tile), else G <= 8 (three). Logits are kept in base 2
 /// (l = logit * log2 e), so each exponential is one `ex2`.
 ///
-/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, out: each tile's max l and sum of 2^(l - max) per query head
+/// \param part_max, part_sum  [B, Hkv, G, NT] fp32, out: each tile's max l and 2^15 * its sum of 2^(l - max) per
+///                  query head
 /// \param exps      [B, Hkv, N, Gp] fp16 (Gp = G rounded up to even, as pairs of fp16 in 32-bit words), out:
 ///                  2^15 * 2^(l - group max); for a token that is not selectable, the pattern NOT_SELECTABLE in the
 ///                  low half of its first word and 0 elsewhere; entries g >= G hold anything
@@ -340,6 +344,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     constexpr int PARTS = PACKED ? 2 : 3;  // MMAs per k-tile
     // Stages of the code ring; under 48 KiB of static shared memory in all (the table takes 32 KiB).
     constexpr int DEPTH = CPT == 16 ? 2 : CPT == 8 ? MMA_DEPTH_K8 : 5;
+    static_assert(DEPTH >= 2, "a slot is refilled only after the group in it was read");
     __shared__ __align__(16) unsigned table[256 * MMA_COPIES];
     // A tile's norms, tokens i and i + 8 of each 16-token group side by side (one 32-bit read gives a lane both).
     __shared__ __align__(4) unsigned short norm_bits[MMA_TILE];
@@ -369,7 +374,7 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     const unsigned tab = shared_address(table + (lane & (MMA_COPIES - 1)));
     const unsigned entry = blockDim.x / THREADS * (4 * MMA_COPIES);
     const unsigned norms_at = shared_address(norm_bits) + 4 * gid;  // the pair of tokens gid, gid + 8 of group 0
-    // Per-lane constants of the logits, in base 2: 2^l = e^logit.
+    // Per-lane constants of the logits, in base 2: 2^l = e^logit; 1 / sqrt(D) of the norms' scale joins them.
     constexpr float LOG2E = 1.4426950408889634f;
     const float unit = 1.f / sqrt_d;
 
@@ -442,30 +447,32 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                                           q24_digit(q24[2], digit), q24_digit(q24[3], digit));
         }
     }
-    k0 = __shfl_sync(0xffffffffu, down, PACKED ? 8 * tq : 4 * col0) * scaling * LOG2E;
-    k1 = __shfl_sync(0xffffffffu, down, 4 * col1) * scaling * LOG2E;
+    k0 = __shfl_sync(0xffffffffu, down, PACKED ? 8 * tq : 4 * col0) * scaling * LOG2E * unit;
+    k1 = __shfl_sync(0xffffffffu, down, 4 * col1) * scaling * LOG2E * unit;
     }
     __syncthreads();  // the table (first tile) and the tile's norms are in place
 
     // Codes stream through a ring of DEPTH stages per warp (cp.async): DEPTH - 1 groups of 16 tokens are in flight
-    // while one is scored, which hides HBM latency that one prefetched group cannot. Each thread reads back only the
-    // bytes it copied itself, so no barrier is needed. Pointers move on by a constant each group (no 64-bit index
-    // products in the loop).
+    // while one is scored, which hides HBM latency that one prefetched group cannot. A group's 16 * M bytes are
+    // contiguous in memory and in its slot, so lane l copies bytes 2 * CPT * l onwards (part of token l / 2: one
+    // 16-byte copy and one bounds test at D = 128, where a lane's own two tokens took two of each); lanes then read
+    // what others copied, hence the warp barrier in `score`. Pointers move on by a constant each group (no 64-bit
+    // index products in the loop).
     const int first = n0 + warp * 16;
     const int iters = first < n1 ? (n1 - first + STRIDE - 1) / STRIDE : 0;
-    const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M + tq * CPT;
-    const unsigned char* src = code_head + (size_t)(first + gid) * M;  // token na of the next group to issue
+    const unsigned char* code_head = codes + row * codes_row_stride + (size_t)head * N * M;
+    const unsigned char* src = code_head + (size_t)first * M + 2 * CPT * lane;  // this lane's bytes of the next group
     // The ring's slots as byte offsets; with a power-of-two depth the next slot is one add and one mask.
     constexpr int SLOT = 16 * M;
     auto next_slot = [](int off) {
         if constexpr ((DEPTH & (DEPTH - 1)) == 0) return (off + SLOT) & (DEPTH * SLOT - 1);
         else return off == (DEPTH - 1) * SLOT ? 0 : off + SLOT;
     };
-    int next = first + gid, slot_in = 0, slot_out = 0;
-    unsigned char* ring_a = &stage[warp][0][gid * M + tq * CPT];
+    int next = first + (lane >> 1), slot_in = 0, slot_out = 0;  // the token this lane copies part of next
+    const unsigned char* ring_a = &stage[warp][0][gid * M + tq * CPT];  // what this lane reads: token na's codes
+    const unsigned ring_copy = shared_address(&stage[warp][0][2 * CPT * lane]);
     auto issue = [&]() {  // the next group into slot `slot_in`; past the end, a zero fill that reads nothing
-        cp_async<CPT>(ring_a + slot_in, src, next < n1);
-        cp_async<CPT>(ring_a + slot_in + 8 * M, src + 8 * M, next + 8 < n1);
+        cp_async_to<2 * CPT>(ring_copy + slot_in, src, next < n1);
         cp_async_commit();
         next += STRIDE;
         src += (size_t)STRIDE * M;
@@ -483,18 +490,21 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
     // stores are predicated and add_group2 selects.
     struct Group {
         int acc[PARTS][4];
-        float scale_a, scale_b;  // of tokens na and nb
+        float scale_a, scale_b;  // the norms of tokens na and nb
         bool ok_a, ok_b, in_a, in_b;
     };
     int na = first + gid;
     auto score = [&](Group& gr) {
-        issue();
-        cp_async_wait<DEPTH - 1>();
+        // This group's copies are done (DEPTH - 2 newer ones may not be) and, past the barrier, visible to the whole
+        // warp; every lane has read the previous group, whose slot the issue below refills.
+        cp_async_wait<DEPTH - 2>();
+        __syncwarp();
         const int nb = na + 8;
         unsigned wa[W], wb[W];
         load_words<CPT>(ring_a + slot_out, wa);
         load_words<CPT>(ring_a + slot_out + 8 * M, wb);
         slot_out = next_slot(slot_out);
+        issue();
         {
             // Tokens na and nb in one read, without a bounds test: a scored group starts before n1, and the rest of
             // its last 16 tokens are marked not selectable.
@@ -504,8 +514,8 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             const unsigned short ha = both & 0xffff, hb = both >> 16;
             gr.ok_a = ha != NOT_SELECTABLE;
             gr.ok_b = hb != NOT_SELECTABLE;
-            gr.scale_a = f16_value(ha) * unit;
-            gr.scale_b = f16_value(hb) * unit;
+            gr.scale_a = f16_value(ha);
+            gr.scale_b = f16_value(hb);
         }
         na += STRIDE;
 #pragma unroll
@@ -526,7 +536,10 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                 imma_m16n8k32(gr.acc[part], a, bq[part][2 * t], bq[part][2 * t + 1]);
         }
     };
-    constexpr float UP = 32768.f;  // 2^15, undone by code_scores_finish
+    // Exponentials are stored as 2^15 * 2^(l - group max) (fp16 keeps small ones normal), which 2^(l - (max - 15))
+    // gives without a multiply; the tile sums are of these scaled values too, so code_scores_finish's ratio of the two
+    // needs no unscaling.
+    constexpr float UP_LOG2 = 15.f;
     const unsigned marked = col0 == 0 ? NOT_SELECTABLE : 0u;  // the first word's low half marks the token
     auto finish = [&](const Group& gr) {
         const int(&acc)[PARTS][4] = gr.acc;
@@ -543,13 +556,13 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
             for (int off = 4; off < 32; off <<= 1) g = fmaxf(g, __shfl_xor_sync(0xffffffffu, g, off));
             // 2^(-inf - g) is 0 for a finite g; a group with nothing selectable has g = -inf and stores zeros, which
             // -inf - (-FLT_MAX) gives without a test.
-            const float gs = fmaxf(g, NEG_FLT_MAX);
+            const float gs = fmaxf(g, NEG_FLT_MAX) - UP_LOG2;
             const float ea = exp2_ftz(la - gs), eb = exp2_ftz(lb - gs);
             // A token's word holds heads col0 and col1: lanes tq and tq^1 swap one exponential, so the even lane
             // stores token na's word and the odd lane token nb's.
             const bool even = (tq & 1) == 0;
             const float got = __shfl_xor_sync(0xffffffffu, even ? eb : ea, 1);
-            const unsigned word = pack_f16x2((even ? ea : got) * UP, (even ? got : eb) * UP);
+            const unsigned word = pack_f16x2(even ? ea : got, even ? got : eb);
             const bool ok = even ? gr.ok_a : gr.ok_b;
             store_if(out_a + (even ? 0 : 8 * pairs), ok ? word : marked, writes && (even ? gr.in_a : gr.in_b));
             store_if(out_g + (tq & 1), g, writes && gid == 0);
@@ -567,10 +580,11 @@ __device__ __forceinline__ void code_states_mma_impl(float* part_max, float* par
                 g0 = fmaxf(g0, __shfl_xor_sync(0xffffffffu, g0, off));
                 g1 = fmaxf(g1, __shfl_xor_sync(0xffffffffu, g1, off));
             }
-            const float ea0 = g0 == NEG_INF ? 0.f : exp2_ftz(la0 - g0), eb0 = g0 == NEG_INF ? 0.f : exp2_ftz(lb0 - g0);
-            const float ea1 = g1 == NEG_INF ? 0.f : exp2_ftz(la1 - g1), eb1 = g1 == NEG_INF ? 0.f : exp2_ftz(lb1 - g1);
-            store_if(out_a, gr.ok_a ? pack_f16x2(ea0 * UP, ea1 * UP) : marked, writes && gr.in_a);
-            store_if(out_a + 8 * pairs, gr.ok_b ? pack_f16x2(eb0 * UP, eb1 * UP) : marked, writes && gr.in_b);
+            const float gs0 = fmaxf(g0, NEG_FLT_MAX) - UP_LOG2, gs1 = fmaxf(g1, NEG_FLT_MAX) - UP_LOG2;  // as above
+            const float ea0 = exp2_ftz(la0 - gs0), eb0 = exp2_ftz(lb0 - gs0);
+            const float ea1 = exp2_ftz(la1 - gs1), eb1 = exp2_ftz(lb1 - gs1);
+            store_if(out_a, gr.ok_a ? pack_f16x2(ea0, ea1) : marked, writes && gr.in_a);
+            store_if(out_a + 8 * pairs, gr.ok_b ? pack_f16x2(eb0, eb1) : marked, writes && gr.in_b);
             store_if(out_g, g0, g1, writes && gid == 0);
             add_group2(m0, s0, g0, ea0 + eb0);
             add_group2(m1, s1, g1, ea1 + eb1);
@@ -666,8 +680,8 @@ template <int PAIRS> __device__ __forceinline__ void load_pairs(const unsigned* 
 }
 
 /// \brief The scores from `code_states_mma`'s outputs: each query head's row state merged from the tiles', then
-/// max over the group of exp(logit - row max) / row sum = exps * 2^-15 * 2^(group max - row max) / row sum (in base 2,
-/// as code_states_mma keeps them).
+/// max over the group of exp(logit - row max) / row sum = exps * 2^(group max - row max) / row sum (in base 2, as
+/// code_states_mma keeps them; its exponentials and tile sums both carry a factor 2^15, which the ratio cancels).
 ///
 /// Every thread issues all its loads before it uses any: each reads in bounds (the tile's last token stands in past
 /// its end) and without a branch. A load per token behind a bounds test waited out one round trip per token
@@ -718,7 +732,7 @@ __device__ __forceinline__ void code_scores_finish_impl(float* scores, const uns
     for (int f = 0; f < FACTORS; ++f) {
         const int i = threadIdx.x + f * FINISH_THREADS, j = i / G, g = i - j * G;
         if (i < count * G)
-            factor[j][g] = x[f] == NEG_INF || gm[g] == NEG_INF ? 0.f : exp2_ftz(x[f] - gm[g]) * rs[g] * (1.f / 32768.f);
+            factor[j][g] = x[f] == NEG_INF || gm[g] == NEG_INF ? 0.f : exp2_ftz(x[f] - gm[g]) * rs[g];
     }
     __syncthreads();
 #pragma unroll
