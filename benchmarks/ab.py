@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("give exactly one of --base REV and --base-dir DIR")
     if args.base_dir is not None and not args.base_commit:
         p.error("--base-dir needs --base-commit: the commit the tree was exported from is recorded")
+    if args.base_dir is not None:  # the base side runs from its own folder, so a relative path would miss
+        args.base_dir = args.base_dir.resolve()
     if args.base_dir is not None and not (args.base_dir / "src" / "shadowkv_cache").is_dir():
         p.error(f"--base-dir {args.base_dir} holds no src/shadowkv_cache: export it with --export REV DIR")
 
