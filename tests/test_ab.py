@@ -63,15 +63,16 @@ def test_bad_arguments_name_the_fix(argv, message, capsys, tmp_path):
 
 
 @needs_git
-def test_both_sides_run_and_record_their_commits(tmp_path):
+def test_both_sides_run_and_record_their_commits(tmp_path, monkeypatch):
     head = _head()
-    base_dir = tmp_path / "base"
+    base_dir = (tmp_path / "base").resolve()
     ab.main(["--export", "HEAD", str(base_dir)])
     assert (base_dir / "src" / "shadowkv_cache" / "kernels" / "score_codes.cu").is_file()  # the link kept
     with pytest.raises(SystemExit, match="not empty"):
         ab.export_tree("HEAD", base_dir)
     out = tmp_path / "results"
-    ours = ["--base-dir", str(base_dir), "--base-commit", head, "--name", "abc", "--order", "new,base"]
+    monkeypatch.chdir(tmp_path)  # the base folder given relative to here: its side runs from its own folder
+    ours = ["--base-dir", "base", "--base-commit", head, "--name", "abc", "--order", "new,base"]
     ab.main([*ours, "--results-dir", str(out), "--work", str(tmp_path / "work"), "--", "benchmarks.scoring", "--small"])
     records = {side: json.loads((out / f"abc_{side}.json").read_text()) for side in ("base", "new")}
     assert records["base"]["env"]["commit"] == head  # recorded from --base-commit: the exported tree has no git
