@@ -62,11 +62,17 @@ def _git(*args: str) -> str:
         raise SystemExit(f"ab: git {' '.join(args)} failed ({str(detail).strip()}); is this a git checkout?") from None
 
 
+def side_env(root: Path, cache: Path) -> dict[str, str]:
+    """The environment a side runs in: the tree `root`'s `src` (then `root`) first on the path, and its own kernel
+    cache `cache` (the sides' kernels differ)."""
+    path = os.pathsep.join([str(root / "src"), str(root)])
+    return {**os.environ, "PYTHONPATH": path, "SHADOWKV_CACHE_DIR": str(cache)}
+
+
 def run_side(root: Path, module: str, args: list[str], name: str, out: Path, commit: str | None, cache: Path) -> dict:
     """Run `python -m module args --name name --results-dir out` from `root` (its `src` first on the path, its own
     kernel cache); returns the record it wrote."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
-           "SHADOWKV_CACHE_DIR": str(cache)}  # fmt: skip
+    env = side_env(root, cache)
     if commit:  # the base side: its tree has no git
         env["SHADOWKV_SOURCE_COMMIT"] = commit
     command = [sys.executable, "-m", module, *args, "--name", name, "--results-dir", str(out)]

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import csv
 import io
-import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.ab import side_env
 from benchmarks.results_io import add_results_dir_option, environment, markdown_table, write_results
 from benchmarks.speed import log
 
@@ -100,9 +101,8 @@ def opcode_samples(source_csv: str) -> list[dict]:
 
 def run_side(root: Path, kernel: str, skip: int, count: int, module_args: list[str], keep: Path, label: str) -> None:
     """Profile `python -m module_args...` from `root` under ncu; writes `<keep>/<label>.txt` and `.csv`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
     with tempfile.TemporaryDirectory() as tmp:
-        env["SHADOWKV_CACHE_DIR"] = str(Path(tmp) / "kernels")  # each side compiles its own kernels
+        env = side_env(root, Path(tmp) / "kernels")
         report = Path(tmp) / "report"
         command = ["ncu", "--clock-control", "none", "-k", kernel, "--launch-skip", str(skip), "--launch-count",
                    str(count), "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
@@ -142,18 +142,20 @@ def main(argv: list[str] | None = None) -> None:
         p.error("give the benchmark to profile after `--` (e.g. -- benchmarks.scoring --device cuda), or --reports DIR")
     if args.reports is not None and not args.made_on:
         p.error("--reports needs --made-on: the machine, versions and command that made the reports")
-    folder = args.reports or args.keep or Path(tempfile.mkdtemp(prefix="ncu_stalls_"))
-    folder.mkdir(parents=True, exist_ok=True)
     rows, opcodes = [], {}
-    for label, root in sides:
-        if args.reports is None:
-            run_side(Path(root).resolve(), args.kernel, args.launch_skip, args.launch_count, module_args, folder, label)
-        txt, src = folder / f"{label}.txt", folder / f"{label}.csv"
-        if not txt.exists() or not src.exists():
-            raise SystemExit(f"ncu_stalls: no {txt} or {src} (make them with --keep DIR on a machine with ncu)")
-        rows.append({"side": label, **summary_metrics(txt.read_text())})
-        opcodes[label] = opcode_samples(src.read_text())
-        log(rows[-1])
+    with contextlib.ExitStack() as stack:  # the reports go to a temporary folder unless kept or given
+        folder = args.reports or args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        folder.mkdir(parents=True, exist_ok=True)
+        for label, root in sides:
+            if args.reports is None:
+                run_side(Path(root).resolve(), args.kernel, args.launch_skip, args.launch_count, module_args, folder,
+                         label)  # fmt: skip
+            txt, src = folder / f"{label}.txt", folder / f"{label}.csv"
+            if not txt.exists() or not src.exists():
+                raise SystemExit(f"ncu_stalls: no {txt} or {src} (make them with --keep DIR on a machine with ncu)")
+            rows.append({"side": label, **summary_metrics(txt.read_text())})
+            opcodes[label] = opcode_samples(src.read_text())
+            log(rows[-1])
     # Stall reasons by their largest value over the sides; those no side waited on stay in the JSON only.
     stalls = {k for r in rows for k in r if k.startswith("stall_") and r[k]}
     stalls = sorted(stalls, key=lambda k: -max(r.get(k, 0) for r in rows))
