@@ -62,7 +62,8 @@ def yakv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float,
     """`(seconds, HBM bytes, PCIe bytes)` per step in YAKV mode: HBM (weights, scoring codes and norms, attended set)
     + PCIe (the records of the selected tokens not held from the previous step, a share `1 - h`). Of those records,
     the share the device mirror holds (`device_record_share`, selected tokens spread evenly over the prompt) is read
-    from HBM instead."""
+    from HBM instead. With every token mirrored the step reads the selected records in place (`ops/attend_records.py`):
+    nothing fetched or held, the attended set is the records and the exact recent tokens."""
     cfg = model.config
     sizes = layer_sizes(model, config, length)
     size = sizes.resolved
@@ -72,6 +73,11 @@ def yakv_bound(model, config, length, batch, h, weights, hbm_bw) -> tuple[float,
     attended = (size.budget_chunks + size.local + 64) * hkv * d * 2 * 2  # K and V, bf16
     missed = size.budget_chunks * (1 - h) * hkv * d * 2 * 2  # the records not held, dequantised into their slots
     records = batch * cfg.num_hidden_layers * hkv * size.budget_chunks * (1 - h) * sizes.record_bytes
+    if sizes.mirrored_tokens >= size.num_chunks > 0:
+        exact = (size.local + 64) * hkv * d * 2 * 2
+        in_place = size.budget_chunks * hkv * sizes.record_bytes
+        hbm = weights + batch * cfg.num_hidden_layers * (scoring + exact + in_place)
+        return hbm / hbm_bw, hbm, 0.0
     # attention reads the parts once
     hbm = weights + batch * cfg.num_hidden_layers * (scoring + attended + missed) + near * records
     pcie = (1 - near) * records

@@ -86,13 +86,15 @@ __device__ __forceinline__ int locate(const Parts& parts, int row, int head, lon
 /// \param softcap    logits become softcap*tanh(logits/softcap) when > 0 (before the mask, as the models do)
 /// \param total      N, the parts' slots together
 /// \param span       slots per split, a multiple of TOK
+/// \param first_share, shares  this block writes share first_share + split of the S = `shares` of its (row, head)
+///                   (other kernels may write the others: attend_records.cu)
 /// \param part_acc   [B, Hkv, S, G, D] fp32 out: sum over the split's valid slots of exp(logit - m) * v
 /// \param part_ml    [B, Hkv, S, G, 2] fp32 out: (m, l) = (max logit, sum of exp(logit - m)); m = -inf when none
 /// Launch: grid (S, Hkv, B), block THREADS. Every key and value vector 16-byte aligned.
 template <typename T, int G, int D>
 __device__ __forceinline__ void attend_split_impl(const T* q, long long qb, long long qh, const Parts& parts,
                                                   float scaling, float softcap, long long total, long long span,
-                                                  float* part_acc, float* part_ml) {
+                                                  int first_share, int shares, float* part_acc, float* part_ml) {
     constexpr int E = Unit<T>::E, U = D / E;  // elements per unit, units per vector
     static_assert(D % E == 0 && U >= 2 && U <= 32 && (U & (U - 1)) == 0, "a vector of 2 to 32 16-byte units");
     constexpr int TOK = U <= 16 ? 64 : 32;  // slots per tile
@@ -100,7 +102,6 @@ __device__ __forceinline__ void attend_split_impl(const T* q, long long qb, long
     constexpr int UH = U / P;               // key units per thread
     constexpr int R = 32 / U;               // slots per warp step when weighing values (lane -> slot rr, unit u)
     constexpr int VS = TOK / (WARPS * R);   // value units per lane and tile
-    constexpr int PER = TOK / 32;           // slots per lane in the softmax
     __shared__ __align__(16) float qs[G * D];
     __shared__ float ps[G * TOK];  // logits, then weights
     __shared__ float st[3 * G];    // [G] m, [G] l, [G] rescale
@@ -108,7 +109,7 @@ __device__ __forceinline__ void attend_split_impl(const T* q, long long qb, long
     __shared__ float red[WARPS * G * D];
 
     const int split = blockIdx.x, head = blockIdx.y, row = blockIdx.z;
-    const int S = gridDim.x, Hkv = gridDim.y;
+    const int Hkv = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int slot = tid / P, share_of_slot = tid - slot * P;
     const int rr = lane / U, u = lane - rr * U;
@@ -202,31 +203,7 @@ __device__ __forceinline__ void attend_split_impl(const T* q, long long qb, long
         }
         __syncthreads();
         // Online softmax: one warp per query head.
-        for (int g = warp; g < G; g += WARPS) {
-            float x[PER];
-            float mt = NEG_INF;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                x[i] = ps[g * TOK + lane + 32 * i];
-                mt = fmaxf(mt, x[i]);
-            }
-            for (int off = 16; off; off >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
-            const float m_old = st[g], m_new = fmaxf(m_old, mt);
-            float sum = 0.f;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                const float p = x[i] == NEG_INF ? 0.f : expf(x[i] - m_new);
-                ps[g * TOK + lane + 32 * i] = p;
-                sum += p;
-            }
-            for (int off = 16; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            if (lane == 0) {
-                const float alpha = m_old == NEG_INF ? 0.f : expf(m_old - m_new);
-                st[g] = m_new;
-                st[G + g] = st[G + g] * alpha + sum;
-                st[2 * G + g] = alpha;
-            }
-        }
+        online_softmax_tile<G, TOK, WARPS>(ps, st, lane, warp);
         __syncthreads();
         // Weighted values.
 #pragma unroll
@@ -263,7 +240,7 @@ __device__ __forceinline__ void attend_split_impl(const T* q, long long qb, long
             for (int e = 0; e < E; ++e) red[(warp * G + g) * D + lane * E + e] = acc[g][e];
     }
     __syncthreads();
-    const long long share = ((long long)row * Hkv + head) * S + split;
+    const long long share = ((long long)row * Hkv + head) * shares + first_share + split;
     for (int i = tid; i < G * D; i += THREADS) {
         float sum = 0.f;
 #pragma unroll
@@ -331,9 +308,9 @@ __device__ __forceinline__ void attend_merge_impl(const float* part_acc, const f
 
 extern "C" __global__ void ATTEND_SPLIT_BOUNDS
     attend_split(const ATTEND_T* q, long long qb, long long qh, Parts parts, float scaling, float softcap,
-                 long long total, long long span, float* part_acc, float* part_ml) {
-    attend_split_impl<ATTEND_T, ATTEND_G, ATTEND_D>(q, qb, qh, parts, scaling, softcap, total, span, part_acc,
-                                                    part_ml);
+                 long long total, long long span, int first_share, int shares, float* part_acc, float* part_ml) {
+    attend_split_impl<ATTEND_T, ATTEND_G, ATTEND_D>(q, qb, qh, parts, scaling, softcap, total, span, first_share,
+                                                    shares, part_acc, part_ml);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)

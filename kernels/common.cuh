@@ -215,6 +215,42 @@ __device__ __forceinline__ void warp_hadamard(float (&x)[EPL], int lanes) {
     }
 }
 
+/// \brief One tile of an online softmax over `TILE` slots for `G` query heads, one warp per head (the split attention
+/// kernels, attend_parts.cu and attend_records.cu): `ps[g*TILE + slot]` holds the tile's logits (-inf where a slot
+/// is not attended) and becomes their weights exp(logit - m); `st` holds [G] running max m, [G] running sum l and
+/// [G] the factor alpha by which the previous tiles' sums and weighted values are rescaled. `lane` and `warp` are the
+/// caller's (taken from it, the records kernel keeps 80 registers; recomputed here, 96). The caller synchronises the
+/// block before (the logits written) and after (the weights read).
+template <int G, int TILE, int WARP_COUNT>
+__device__ __forceinline__ void online_softmax_tile(float* ps, float* st, int lane, int warp) {
+    constexpr int PER = TILE / 32;  // slots per lane
+    for (int g = warp; g < G; g += WARP_COUNT) {
+        float x[PER];
+        float mt = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            x[i] = ps[g * TILE + lane + 32 * i];
+            mt = fmaxf(mt, x[i]);
+        }
+        for (int off = 16; off; off >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+        const float m_old = st[g], m_new = fmaxf(m_old, mt);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const float p = x[i] == NEG_INF ? 0.f : expf(x[i] - m_new);
+            ps[g * TILE + lane + 32 * i] = p;
+            sum += p;
+        }
+        for (int off = 16; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) {
+            const float alpha = m_old == NEG_INF ? 0.f : expf(m_old - m_new);
+            st[g] = m_new;
+            st[G + g] = st[G + g] * alpha + sum;
+            st[2 * G + g] = alpha;
+        }
+    }
+}
+
 /// \brief A float's bits as an unsigned key in the order of a descending sort: larger floats give larger keys,
 ///        -0.0 equals +0.0, and every NaN is above +inf (where torch.sort puts NaN).
 __device__ __forceinline__ unsigned order_key(float f) {

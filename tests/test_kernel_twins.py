@@ -490,7 +490,7 @@ def test_attend_parts_splits_cover_every_slot_once(total, blocks, sms, tile):
     original = op.multiprocessors
     op.multiprocessors = lambda device: sms
     try:
-        splits, span = op._splits(total, blocks, tile, torch.device("cuda", 0))
+        splits, span = op.splits_for(total, blocks, tile, torch.device("cuda", 0))
     finally:
         op.multiprocessors = original
     assert span % tile == 0 and span >= tile
@@ -500,14 +500,14 @@ def test_attend_parts_splits_cover_every_slot_once(total, blocks, sms, tile):
 
 def test_attend_parts_off_cuda_is_the_twin():
     from shadowkv_cache.core.attention import attend_parts as definition
-    from shadowkv_cache.ops.attend_parts import _kernel_fits, attend_parts, attend_parts_reference
+    from shadowkv_cache.ops.attend_parts import attend_parts, attend_parts_reference, kernel_fits
 
     assert attend_parts_reference is definition
     g = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 1, 16, generator=g)
     parts = [(*torch.randn(2, 2, 2, n, 16, generator=g), torch.rand(2, 1, 1, n, generator=g) < 0.8) for n in (8, 20)]
     parts[-1][2][..., 0] = True
-    assert not _kernel_fits(query, parts, NO_TERMS)
+    assert not kernel_fits(query, parts, NO_TERMS)
     assert torch.equal(attend_parts(query, parts, 0.25), definition(query, parts, 0.25))
 
 
@@ -532,13 +532,13 @@ def test_attend_parts_kernel_declines_what_it_cannot_serve(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     query, parts = case()
-    assert op._kernel_fits(query, parts, NO_TERMS)
-    assert op._kernel_fits(query, parts, LogitTerms(softcap=30.0))
-    assert not op._kernel_fits(query, parts, LogitTerms(softcap=0.0))
-    assert not op._kernel_fits(*case(batch=0), NO_TERMS)
-    assert not op._kernel_fits(*case(tokens=2), NO_TERMS)
-    assert not op._kernel_fits(*case(dim=96), NO_TERMS)  # 12 units of 16 bytes
-    assert not op._kernel_fits(*case(group=9), NO_TERMS)
+    assert op.kernel_fits(query, parts, NO_TERMS)
+    assert op.kernel_fits(query, parts, LogitTerms(softcap=30.0))
+    assert not op.kernel_fits(query, parts, LogitTerms(softcap=0.0))
+    assert not op.kernel_fits(*case(batch=0), NO_TERMS)
+    assert not op.kernel_fits(*case(tokens=2), NO_TERMS)
+    assert not op.kernel_fits(*case(dim=96), NO_TERMS)  # 12 units of 16 bytes
+    assert not op.kernel_fits(*case(group=9), NO_TERMS)
 
 
 def test_landmark_logits_kernels_serve_what_they_can_read(monkeypatch):

@@ -944,14 +944,14 @@ def random_parts(batch, heads, dim, sizes, dtype, seed, shared=(), per_head=()):
     ],
 )
 def test_attend_parts_kernel_matches_twin(dtype, batch, heads, group, dim, sizes):
-    from shadowkv_cache.ops.attend_parts import _kernel_fits, attend_parts, attend_parts_reference
+    from shadowkv_cache.ops.attend_parts import attend_parts, attend_parts_reference, kernel_fits
 
     for seed in range(2):
         parts = random_parts(batch, heads, dim, sizes, dtype, seed, shared={0}, per_head={1})
         query = torch.randn(batch, heads * group, 1, dim, generator=torch.Generator().manual_seed(seed)).to(CUDA, dtype)
         scaling = dim**-0.5
         # A vector of at most 32 16-byte units: float32 at head size 256 runs the twin.
-        assert _kernel_fits(query, parts, NO_TERMS) == (dim * query.element_size() <= 512)
+        assert kernel_fits(query, parts, NO_TERMS) == (dim * query.element_size() <= 512)
         got = attend_parts(query, parts, scaling)
         # The definition in float32 on the same inputs: the kernel accumulates in float32 and rounds once.
         ref = attend_parts_reference(query.float(), [(k.float(), v.float(), m) for k, v, m in parts], scaling)

@@ -19,6 +19,7 @@ import torch
 import shadowkv_cache.ops as ops
 from shadowkv_cache.core.attention import LogitTerms
 from shadowkv_cache.core.attention import attend_parts as attend_parts_twin
+from shadowkv_cache.ops.attend_records import attend_records_reference
 from shadowkv_cache.ops.gather_dequant import gather_dequant_reference
 from shadowkv_cache.ops.gather_values import gather_values_reference
 from shadowkv_cache.ops.landmark_logits import landmark_logits_int8_reference, landmark_logits_native_reference
@@ -130,6 +131,22 @@ def _gather_dequant(device, g, some=True):
     return keys, values, ids, fetch, store.data, address, mirror, row_map, grid, signs, grid_dim, seed
 
 
+def _attend_records(device, g, terms=True):
+    """Four query heads per KV head over 9 selected records (some invalid) of a fully mirrored store, then two
+    parts."""
+    store = _records(device, g)
+    mirror = store.data.to(device)  # every token: the only store the kernel reads
+    query, keys, values, valid, scaling, softcap, sinks = _attend(device, g, terms)
+    ids = torch.stack([torch.randperm(30, generator=g)[:9] for _ in range(4)]).view(2, 2, 9).to(device)
+    chosen = (torch.rand(2, 2, 9, generator=g) < 0.8).to(device)
+    grid, signs = QUANTIZER.device_tables(device)
+    row_map = store.device_row_map(device)
+    return (
+        query, ids, chosen, mirror, row_map, grid, signs, QUANTIZER.grid_dim, QUANTIZER.seed, keys, values, valid,
+        scaling, softcap, sinks,
+    )  # fmt: skip
+
+
 def _rebuild(device, g, rotary=48, interleaved=False, shared=False):
     """The fused rebuild's arguments: rank 20 (padded to 32 in the kernel), rows of one document when `shared`."""
     batch, heads, slots, c, dim, chunks, rank = 2, 2, 3, 4, 64, 5, 20
@@ -176,6 +193,7 @@ SAMPLES = {
     "rope_missed": _rope,
     "rebuild_missed": _rebuild,
     "attend_parts": _attend,
+    "attend_records": _attend_records,
     "landmark_logits_int8": _landmark_logits,
     "landmark_logits_native": _landmark_logits_native,
     "landmark_scores": _landmark_scores,
@@ -205,6 +223,7 @@ VARIANTS = {
         lambda d, g: _rebuild(d, g, rotary=64, interleaved=True, shared=True),
     ),
     "attend_parts[plain]": ("attend_parts", lambda d, g: _attend(d, g, terms=False)),
+    "attend_records[plain]": ("attend_records", lambda d, g: _attend_records(d, g, terms=False)),
     "code_scores[tensor cores]": ("code_scores", lambda d, g: (*_code_scores(d, g)[:-1], True)),
     # -inf where not selectable (QuantizedKeyTopK's masked scores), as the tensor-core kernels write it.
     "code_scores[tensor cores, masked]": (
@@ -229,6 +248,9 @@ TOLERANCES = {
     # Weighted sums of bf16 values in another order, rounded to bf16: a unit in the last place of outputs up to ~1.
     "attend_parts": (1.6e-2, 8e-3),
     "attend_parts[plain]": (1.6e-2, 8e-3),
+    # The same, and the twin's keys and values rounded to bf16 where the kernel keeps them in fp32.
+    "attend_records": (1.6e-2, 1.6e-2),
+    "attend_records[plain]": (1.6e-2, 1.6e-2),
     # Products of rank 20 (up to ~16) summed in another order, then rounded to bf16: two units in the last place.
     "rebuild_missed": (1.6e-2, 0.13),
     "rebuild_missed[interleaved, shared]": (1.6e-2, 0.13),
@@ -334,6 +356,14 @@ def test_cpu_implementations_are_the_twins():
     query, keys, values, valid, scaling, softcap, sinks = sample("attend_parts", "cpu")
     want = attend_parts_twin(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))
     assert torch.equal(op("attend_parts")(query, keys, values, valid, scaling, softcap, sinks), want)
+
+    args = sample("attend_records", "cpu")
+    query, ids, chosen, mirror, row_map = args[:5]
+    keys, values, valid, scaling, softcap, sinks = args[9:]
+    store = QuantizedKVStore(mirror, row_map)
+    parts = list(zip(keys, values, valid))
+    want = attend_records_reference(query, store, ids, chosen, QUANTIZER, parts, scaling, LogitTerms(softcap, sinks))
+    assert torch.equal(op("attend_records")(*args), want)
 
     q, codes, scales = sample("landmark_logits_int8", "cpu")
     got = op("landmark_logits_int8")(q, codes, scales)  # [B, Hkv, C, G]

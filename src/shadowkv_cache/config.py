@@ -123,7 +123,9 @@ class ShadowKVConfig:
             YAKV: share of each row's quantised tokens (its first ones) whose host records are also kept in GPU
             memory, in [0, 1]. A step then reads those records at HBM speed and only the rest cross PCIe: for a
             GPU with memory to spare beside the batch (each mirrored token costs `2*D/host_grid_dim + 4` bytes per
-            KV head and layer). Changes no result. May change at `load_prefix`.
+            KV head and layer). At 1 a step reads the selected records in place and holds no dequantised tokens
+            (less memory, no fetch; keys and values unrounded, so outputs differ by round-off); below 1 it changes no
+            result. May change at `load_prefix`.
         auto_rank_error (`float`, *optional*, defaults to 0.075):
             `rank="auto"`: the relative error of the attention logits (the prompt's last queries against keys
             rebuilt from the factors, logits centred) that each layer's rank must stay within. Lower keeps more rank

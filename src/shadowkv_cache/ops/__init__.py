@@ -9,6 +9,7 @@ reading the registry imports nothing.
 
 from . import (  # noqa: F401 - registers each module's operator
     attend_parts,
+    attend_records,
     gather_dequant,
     gather_values,
     landmark_logits,
@@ -27,6 +28,9 @@ __all__ = ["KERNELS", "OPERATORS", "rebuild_keys", "registered_ops"]
 KERNELS: dict[str, tuple[str, str]] = {
     # One-token attention over the attended parts in place; the twin concatenates them (core/attention.py).
     "attend_parts": ("shadowkv_cache.ops.attend_parts", "attend_parts_reference"),
+    # YAKV's selected tokens attended in place from the device mirror of their records (no fetch, nothing held); the
+    # twin dequantises them, then attends over them and the other parts.
+    "attend_records": ("shadowkv_cache.ops.attend_records", "attend_records_reference"),
     "gather_dequant": ("shadowkv_cache.ops.gather_dequant", "gather_dequant_reference"),
     "gather_values": ("shadowkv_cache.ops.gather_values", "gather_values_reference"),
     # ShadowKV's landmark logits on tensor cores from int8 landmarks (the twin dequantises and multiplies in fp32) and
@@ -56,6 +60,7 @@ KERNELS: dict[str, tuple[str, str]] = {
 # operator (torch.ops.shadowkv.<name>) -> kernel stems its CUDA implementation launches
 OPERATORS: dict[str, tuple[str, ...]] = {
     "attend_parts": ("attend_parts",),
+    "attend_records": ("attend_records", "attend_parts"),
     "code_scores": ("score_codes", "softmax_group_max"),
     "gather_dequant": ("gather_dequant",),
     "gather_values": ("gather_values",),

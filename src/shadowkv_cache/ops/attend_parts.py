@@ -23,7 +23,20 @@ from ..core.attention import attend_parts as attend_parts_reference
 from .library import define_op
 from .loader import kernels_available, load_kernels, multiprocessors
 
-__all__ = ["attend_parts", "attend_parts_op", "attend_parts_reference"]
+__all__ = [
+    "attend_parts",
+    "attend_parts_op",
+    "attend_parts_reference",
+    "check_args",
+    "empty_shares",
+    "kernel_fits",
+    "launch_merge",
+    "launch_split",
+    "part_splits",
+    "shape_defines",
+    "split_kernels",
+    "splits_for",
+]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "float"}  # C types of common.cuh
 _MAX_PARTS, _THREADS, _MAX_GROUP = 4, 128, 8  # as kernels/attend_parts.cu
@@ -59,25 +72,26 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scaling: float, terms: 
     `[B or 1, Hkv, N_i, D]`, validity broadcastable to `[B, Hkv, T, N_i]`), with the model's `terms`; returns
     `[B, T, Hq, D]` in the query's dtype, as `core.attention.attend_parts`. The kernels never read invalid slots (what
     they hold does not matter), and a head with no valid slot gets zeros; a decode step always holds its own token."""
-    if not _kernel_fits(query, parts, terms):
+    if not kernel_fits(query, parts, terms):
         return attend_parts_reference(query, parts, scaling, terms)
     sinks = None if terms.sinks is None else terms.sinks.to(device=query.device, dtype=torch.float32).contiguous()
     keys, values, valid = (list(t) for t in zip(*parts))
     return attend_parts_op(query, keys, values, valid, scaling, terms.softcap, sinks)
 
 
-def _check_args(query: torch.Tensor, softcap: float | None) -> None:
+def check_args(query: torch.Tensor, softcap: float | None, op: str = "attend_parts") -> None:
+    """Refuse what the one-token attention kernels would read otherwise than their twins (operator `op`)."""
     torch._check(softcap is None or softcap > 0, lambda: f"softcap must be None (no capping) or > 0, got {softcap}")
-    torch._check(query.shape[2] == 1, lambda: "the attend_parts operator takes one query token: call attend_parts")
+    torch._check(query.shape[2] == 1, lambda: f"the {op} operator takes one query token: call {op}")
 
 
 def _attend_parts_twin(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
-    _check_args(query, softcap)
+    check_args(query, softcap)
     return attend_parts_reference(query, list(zip(keys, values, valid)), scaling, LogitTerms(softcap, sinks))
 
 
 def _out_like(query, keys, values, valid, scaling, softcap, sinks) -> torch.Tensor:
-    _check_args(query, softcap)
+    check_args(query, softcap)
     batch, num_q_heads, steps, dim = query.shape
     return query.new_empty((batch, steps, num_q_heads, dim))
 
@@ -99,12 +113,60 @@ def attend_parts_op(
 ) -> torch.Tensor:
     """`torch.ops.shadowkv.attend_parts`: the kernels on what `attend_parts` checked (the parts as three lists;
     `sinks` fp32 contiguous on the query's device); `[B, 1, Hq, D]`."""
-    _check_args(query, softcap)
-    batch, num_q_heads, _, dim = query.shape
+    check_args(query, softcap)
     heads = keys[0].shape[1]
-    group = num_q_heads // heads
+    splits, span = part_splits(query, keys)
+    part_acc, part_ml = empty_shares(query, heads, splits)
+    kernels = split_kernels(query, heads)
+    launch_split(kernels, query, keys, values, valid, scaling, softcap, part_acc, part_ml, 0, span)
+    return launch_merge(kernels, part_acc, part_ml, sinks, query)
+
+
+def part_splits(query: torch.Tensor, keys: list[torch.Tensor]) -> tuple[int, int]:
+    """(S, slots per split) of the split kernel over the parts whose keys are `keys`."""
     total = sum(k.shape[2] for k in keys)
-    splits, span = _splits(total, batch * heads, _tile(dim * query.element_size()), query.device)
+    return splits_for(total, query.shape[0] * keys[0].shape[1], _tile(query.shape[-1] * query.element_size()),
+                      query.device)  # fmt: skip
+
+
+def empty_shares(query: torch.Tensor, heads: int, shares: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for `shares` split shares per (row, KV head): `[B, Hkv, S, G, D]` and `[B, Hkv, S, G, 2]` fp32."""
+    batch, num_q_heads, _, dim = query.shape
+    group = num_q_heads // heads
+    part_acc = torch.empty((batch, heads, shares, group, dim), dtype=torch.float32, device=query.device)
+    return part_acc, torch.empty((batch, heads, shares, group, 2), dtype=torch.float32, device=query.device)
+
+
+def shape_defines(query: torch.Tensor, heads: int) -> tuple[tuple[str, str | int], ...]:
+    """The kernels' shape: ATTEND_T (the query's C type), ATTEND_G (query heads per KV head) and ATTEND_D."""
+    group, dim = query.shape[1] // heads, query.shape[-1]
+    return ("ATTEND_T", _KERNEL_DTYPES[query.dtype]), ("ATTEND_G", group), ("ATTEND_D", dim)
+
+
+def split_kernels(query: torch.Tensor, heads: int):
+    """The compiled split and merge kernels for this query's dtype, group size and head size."""
+    bounded = (query.element_size(), query.shape[1] // heads, query.shape[-1]) in _BOUNDED
+    defines = (*shape_defines(query, heads), ("ATTEND_MIN_BLOCKS", MIN_BLOCKS if bounded else 0))
+    return load_kernels("attend_parts", query.device, defines)
+
+
+def launch_split(
+    kernels,
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    valid: list[torch.Tensor],
+    scaling: float,
+    softcap: float | None,
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    first_share: int,
+    span: int,
+) -> None:
+    """The split kernel over the parts, writing shares `first_share` onwards (of `part_acc.shape[2]`)."""
+    batch = query.shape[0]
+    heads = keys[0].shape[1]
+    total = sum(k.shape[2] for k in keys)
     described = _Parts(count=len(keys))
     for i, (k, v, m) in enumerate(zip(keys, values, valid)):
         described.p[i] = _Part(
@@ -116,19 +178,9 @@ def attend_parts_op(
             *_strides(m, (0, 1, 3)),
             k.shape[2],
         )
-    part_acc = torch.empty((batch, heads, splits, group, dim), dtype=torch.float32, device=query.device)
-    part_ml = torch.empty((batch, heads, splits, group, 2), dtype=torch.float32, device=query.device)
-    out = torch.empty((batch, 1, num_q_heads, dim), dtype=query.dtype, device=query.device)
-    defines = (
-        ("ATTEND_T", _KERNEL_DTYPES[query.dtype]),
-        ("ATTEND_G", group),
-        ("ATTEND_D", dim),
-        ("ATTEND_MIN_BLOCKS", MIN_BLOCKS if (query.element_size(), group, dim) in _BOUNDED else 0),
-    )
-    kernels = load_kernels("attend_parts", query.device, defines)
     kernels.launch(
         "attend_split",
-        grid=(splits, heads, batch),
+        grid=(-(-total // span), heads, batch),
         block=(_THREADS, 1, 1),
         args=[
             query,
@@ -139,10 +191,21 @@ def attend_parts_op(
             (softcap or 0.0, ctypes.c_float),
             (total, ctypes.c_longlong),
             (span, ctypes.c_longlong),
+            (first_share, ctypes.c_int),
+            (part_acc.shape[2], ctypes.c_int),
             part_acc,
             part_ml,
         ],
     )
+
+
+def launch_merge(
+    kernels, part_acc: torch.Tensor, part_ml: torch.Tensor, sinks: torch.Tensor | None, query: torch.Tensor
+) -> torch.Tensor:
+    """The shares merged by their log-sum-exp (with the model's sinks): `[B, 1, Hq, D]` in the query's dtype."""
+    batch, num_q_heads, _, dim = query.shape
+    splits = part_acc.shape[2]
+    out = torch.empty((batch, 1, num_q_heads, dim), dtype=query.dtype, device=query.device)
     kernels.launch(
         "attend_merge",
         grid=(num_q_heads, batch, 1),
@@ -153,7 +216,7 @@ def attend_parts_op(
     return out
 
 
-def _kernel_fits(query: torch.Tensor, parts: list[Part], terms: LogitTerms) -> bool:
+def kernel_fits(query: torch.Tensor, parts: list[Part], terms: LogitTerms) -> bool:
     """Whether the kernels serve this call: one CUDA query token, a known dtype everywhere, a head vector of 2, 4, 8,
     16 or 32 16-byte units (bf16: head size 16 to 256), at most 8 query heads per KV head and 4 parts, 16-byte
     aligned vectors."""
@@ -202,7 +265,7 @@ def _tile(vector_bytes: int) -> int:
     return 64 if vector_bytes <= 256 else 32
 
 
-def _splits(total: int, blocks: int, tile: int, device: torch.device) -> tuple[int, int]:
+def splits_for(total: int, blocks: int, tile: int, device: torch.device) -> tuple[int, int]:
     """(S, slots per split, a multiple of `tile`): about `_BLOCKS_PER_SM` blocks per multiprocessor, a tile each at
     least (each block's tiles run one after another, so more splits are more loads in flight)."""
     tiles = -(-total // tile)

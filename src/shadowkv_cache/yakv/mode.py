@@ -10,7 +10,9 @@ keeps the ones the previous step already fetched (`HeldTokens`), fetches and deq
 exactly over them, the recent window and the tokens after the prompt. No SVD, landmarks or outliers. Nothing in a
 one-token step waits for the host (the counters live on the device, the scan and the fetch write in place) when
 the records are pinned, so the layer captures it as a CUDA graph and replays it (`hf/decode_graph.py`), as in
-ShadowKV mode.
+ShadowKV mode. When the store's device mirror holds every token (`device_record_share=1`), a one-token step attends
+over the selected records where the mirror keeps them (`ops/attend_records.py`): nothing is fetched and no token is
+held, so the held tokens' memory goes to the batch.
 
 A policy that shares the budget across heads (`SharedBudgetTopK`) gives each head up to `Hkv*k` slots, of which
 `k` are valid on average: holding them all would take `Hkv` times the memory, so such a step fetches its valid
@@ -24,6 +26,7 @@ import torch
 from ..config import ShadowKVConfig
 from ..core.attention import NO_TERMS, LogitTerms, Part
 from ..ops.attend_parts import attend_parts
+from ..ops.attend_records import attend_records, records_kernel_fits
 from ..ops.gather_dequant import dequant_records, gather_dequant_missed
 from ..policies.base import SelectionPolicy
 from ..quant import HiggsQuantizer
@@ -127,7 +130,8 @@ class YakvMode:
             if self._bank is None or self._bank.device != device:
                 self._bank = torch.zeros(4, dtype=torch.int64, device=device)
                 self._hit_base = torch.zeros(2, dtype=torch.int64, device=device)
-        if prompt is not None and self.reuses:  # made now, so that the memory report shows what decoding will hold
+        if prompt is not None and self.reuses and not self.attends_in_place:
+            # made now, so that the memory report shows what decoding will hold
             batch, heads, _ = prompt.selectable.shape
             like = prompt.local_keys
             self.held = self._empty_held(
@@ -154,6 +158,14 @@ class YakvMode:
             self.held.counts.zero_()
             self.held.host_records.zero_()
         self.held = None
+
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether one-token steps read the selected records in place: the store's device mirror holds every token.
+        Where the kernels do not serve the model's shape (`ops/attend_records.records_kernel_fits`) a step falls back
+        to fetching into held tokens, made at that step (the memory report counts them from then on)."""
+        store = None if self.prompt is None else self.prompt.store
+        return store is not None and store.mirror is not None and store.mirrored_tokens == store.data.shape[2] > 0
 
     @property
     def _mirrored(self) -> bool:
@@ -186,6 +198,8 @@ class YakvMode:
         prompt = self.prompt
         batch, _, q_len, dim = query.shape
         dtype = new_tokens[0].dtype
+        # the recent window and the tokens after the prompt, attended exactly beside the selection
+        exact = [(prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]), new_tokens]
         if q_len > 1 and self.config.dense_multi_token_steps:
             sel_keys, sel_values, sel_valid = self._whole_prompt(batch, dim, dtype, query.device)
         else:
@@ -200,13 +214,13 @@ class YakvMode:
                 query_mask,
                 prompt.budget_tokens,
             )
+            quantizer = self.quantizer(dim)
+            in_place = self.attends_in_place
+            if in_place and records_kernel_fits(query, prompt.store, ids, sel_valid, quantizer, exact, terms):
+                self._bank[1] += 1  # a step; nothing held, looked up or read from host memory
+                return attend_records(query, prompt.store, ids, sel_valid, quantizer, exact, scaling, terms)
             sel_keys, sel_values, sel_valid = self._fetch(ids, sel_valid, dtype)
-        parts = [
-            (sel_keys, sel_values, sel_valid[:, :, None, :]),
-            (prompt.local_keys, prompt.local_values, prompt.local_valid[:, None, None, :]),
-            new_tokens,
-        ]
-        return attend_parts(query, parts, scaling, terms)
+        return attend_parts(query, [(sel_keys, sel_values, sel_valid[:, :, None, :]), *exact], scaling, terms)
 
     def _fetch(
         self, ids: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
@@ -244,8 +258,8 @@ class YakvMode:
 
     def hit_counts(self) -> tuple[int, int] | None:
         """(selected tokens found held from the previous step, tokens selected) so far; None when this layer never
-        held tokens (a policy that shares the budget)."""
-        if self._bank is None or not self.reuses:
+        held tokens (a policy that shares the budget, or the records read in place)."""
+        if self._bank is None or not self.reuses or (self.attends_in_place and self.held is None):
             return None
         totals = self._totals()
         misses, lookups = (totals[[0, 2]] - self._hit_base).tolist()
