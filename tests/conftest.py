@@ -15,3 +15,22 @@ def smollm2():
     """
     model, tokenizer = load_smollm2(dtype=torch.float32, device="cpu")
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2):
+    """`reference(ids, prompt_len, greedy_tokens)`: SmolLM2's own DynamicCache side of a fidelity measurement
+    (`shadowkv_cache.fidelity.Reference`), computed once per text and setting for the whole session. Several fidelity
+    tests measure on the same prose; full attention's side is most of their cost on CPU (~40 s at 3K tokens)."""
+    from shadowkv_cache.fidelity import dynamic_cache_reference
+
+    model, _ = smollm2
+    computed = {}
+
+    def reference(ids: torch.Tensor, prompt_len: int, greedy_tokens: int):
+        key = (ids.cpu().numpy().tobytes(), prompt_len, greedy_tokens)
+        if key not in computed:
+            computed[key] = dynamic_cache_reference(model, ids, prompt_len, greedy_tokens)
+        return computed[key]
+
+    return reference

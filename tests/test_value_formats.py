@@ -295,21 +295,19 @@ def test_higgs4_needs_a_power_of_two_head_dim():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_smollm2_fidelity_per_value_format(smollm2):
+def test_smollm2_fidelity_per_value_format(smollm2, smollm2_reference):
     """SmolLM2 at 3K tokens, the default budget (rank 32, 256 tokens, 4 outliers), teacher-forced for 48 steps
     against its own DynamicCache, with each value format.
 
     Measured on CPU (fp32): top-1 agreement 0.918 for all three; mean KL 0.0693 (native), 0.0695 (fp8), 0.0763
     (higgs4). At full rank and budget (the value format alone): agreement 1.000 for both, KL 4e-5 (fp8) and
     6.4e-4 (higgs4). The floors sit just under: fp8 costs next to nothing, 4-bit a little KL."""
-    from transformers import DynamicCache
-
     from shadowkv_cache.fidelity import natural_text_ids, teacher_forced_logits
 
     model, tokenizer = smollm2
     prompt, steps = 3072, 48
     ids = natural_text_ids(tokenizer, prompt + steps)
-    full = teacher_forced_logits(model, ids, prompt, DynamicCache(config=model.config))
+    full = smollm2_reference(ids, prompt, 16).logits  # shared with test_smollm2's default-budget fidelity
     log_p = full.log_softmax(-1)
     measured = {}
     for value_format in ("native", "fp8", "higgs4"):

@@ -356,7 +356,7 @@ SMOL_CEIL_KL = 0.06
 
 
 @pytest.mark.slow
-def test_smollm2_fidelity_at_a_modest_budget(smollm2):
+def test_smollm2_fidelity_at_a_modest_budget(smollm2, smollm2_reference):
     """SmolLM2 (head dim 64, 3 KV heads) at 2K tokens, 128 tokens per KV head (~6% of the prompt)."""
     from shadowkv_cache.fidelity import measure_fidelity, natural_text_ids
 
@@ -369,7 +369,8 @@ def test_smollm2_fidelity_at_a_modest_budget(smollm2):
     assert layer.is_compressed and int(layer.prompt.real.sum()) == SMOL_PROMPT - RECENT
     assert layer.prompt.store.record_bytes == 2 * 64 // 2 + 4  # 4.25 bits per value at D = 64
 
-    fid = measure_fidelity(model, ids, SMOL_PROMPT, make, greedy_tokens=16)
+    reference = smollm2_reference(ids, SMOL_PROMPT, 16)
+    fid = measure_fidelity(model, ids, SMOL_PROMPT, make, greedy_tokens=16, reference=reference)
     print(f"SmolLM2 2K YAKV fidelity at {SMOL_BUDGET} tokens: {fid}")
     assert fid.agreement >= SMOL_FLOOR_AGREEMENT
     assert fid.mean_kl <= SMOL_CEIL_KL
