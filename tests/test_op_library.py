@@ -311,6 +311,14 @@ def test_operators_refuse_what_their_kernels_cannot_mean():
         op("landmark_scores")(logits.expand(-1, -1, -1, 2, -1), selectable)
     with pytest.raises(RuntimeError, match="one query token"):
         op("attend_parts")(query.expand(-1, -1, 3, -1), keys, values, valid, scaling, None, sinks)
+    records = list(sample("attend_records", "cpu"))
+    records[0] = records[0].expand(-1, -1, 2, -1)
+    with pytest.raises(RuntimeError, match="one query token: call attend_records"):
+        op("attend_records")(*records)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="one query token"):
+        op("attend_records")(*records)  # tracing refuses it too, before any kernel is chosen
     args = list(sample("gather_dequant", "cpu"))
     args[-1] += 1  # another seed than the one whose tables are passed
     with pytest.raises(ValueError, match="device_tables"):
@@ -434,10 +442,19 @@ def test_compile_traces_each_operator_as_one_opaque_node(name):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+def _empty_on(arg, device):
+    """An operator argument's shape on `device` (in a fake mode, where tensors are not moved): an empty tensor for a
+    tensor, a list of them for a list; anything else as it is."""
+    if isinstance(arg, torch.Tensor):
+        return torch.empty(arg.shape, dtype=arg.dtype, device=device)
+    return [_empty_on(t, device) for t in arg] if isinstance(arg, list) else arg
+
+
 def test_fakes_answer_for_cuda_tensors_without_a_gpu():
     """Tracing a CUDA program needs no GPU: the fakes give the kernels' output shapes, dtypes and device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    cpu_records = sample("attend_records", "cpu")  # built outside: its store and tables are cached per device
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         ids = torch.empty(2, 3, 6, dtype=torch.int64, device=CUDA)
@@ -468,6 +485,8 @@ def test_fakes_answer_for_cuda_tensors_without_a_gpu():
         assert (chunk_scores.shape, chunk_scores.dtype) == ((4, 8, 500), torch.float32)
         best = op("select_topk")(chunk_scores, 16)
         assert (best.shape, best.dtype) == ((4, 8, 16), torch.int64)
+        records = op("attend_records")(*[_empty_on(a, CUDA) for a in cpu_records])
+        assert (records.shape, records.dtype, records.device.type) == ((2, 1, 8, 64), torch.bfloat16, "cuda")
         # The kernels write fresh contiguous outputs: so do the fakes.
         for t in (miss, logits, scores, codes, norms, out, chunk_scores, best):
             assert t.is_contiguous()

@@ -125,7 +125,10 @@ def _attend_records_twin(
     return attend_records_reference(query, store, ids, valid, quantizer, parts, scaling, LogitTerms(softcap, sinks))
 
 
-def _out_like(query, *args) -> torch.Tensor:
+def _out_like(
+    query, ids, valid, mirror, row_map, grid, signs, grid_dim, seed, keys, values, masks, scaling, softcap, sinks
+) -> torch.Tensor:
+    split_op.check_args(query, softcap, "attend_records")  # tracing refuses what the kernel would refuse
     batch, num_q_heads, steps, dim = query.shape
     return query.new_empty((batch, steps, num_q_heads, dim))
 
