@@ -15,6 +15,7 @@ import operator
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shadowkv_cache.ops as ops
 from shadowkv_cache.core.attention import LogitTerms
@@ -315,8 +316,6 @@ def test_operators_refuse_what_their_kernels_cannot_mean():
     records[0] = records[0].expand(-1, -1, 2, -1)
     with pytest.raises(RuntimeError, match="one query token: call attend_records"):
         op("attend_records")(*records)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="one query token"):
         op("attend_records")(*records)  # tracing refuses it too, before any kernel is chosen
     args = list(sample("gather_dequant", "cpu"))
@@ -452,8 +451,6 @@ def _empty_on(arg, device):
 
 def test_fakes_answer_for_cuda_tensors_without_a_gpu():
     """Tracing a CUDA program needs no GPU: the fakes give the kernels' output shapes, dtypes and device."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     cpu_records = sample("attend_records", "cpu")  # built outside: its store and tables are cached per device
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -488,7 +485,7 @@ def test_fakes_answer_for_cuda_tensors_without_a_gpu():
         records = op("attend_records")(*[_empty_on(a, CUDA) for a in cpu_records])
         assert (records.shape, records.dtype, records.device.type) == ((2, 1, 8, 64), torch.bfloat16, "cuda")
         # The kernels write fresh contiguous outputs: so do the fakes.
-        for t in (miss, logits, scores, codes, norms, out, chunk_scores, best):
+        for t in (miss, logits, scores, codes, norms, out, chunk_scores, best, records):
             assert t.is_contiguous()
 
 
