@@ -138,6 +138,26 @@ def peaks(device: torch.device) -> dict:
     return row
 
 
+def allocated_gib(device: torch.device) -> float | None:
+    """GPU memory allocated now, GiB, on the fullest GPU (None off CUDA)."""
+    now = [torch.cuda.memory_allocated(gpu) / GiB for gpu in gpus(device)]
+    return max(now) if now else None
+
+
+def residency(device: torch.device, cache, built_gib: float | None) -> dict:
+    """Where a decode row's peak GPU memory lies, GiB on the fullest GPU (empty off CUDA): `built_gpu_gib` allocated
+    once the cache was built (the weights, the cache, what building it left), `held_gpu_gib` after the timed steps
+    with the cache alive (plus CUDA-graph pools and the step's lasting buffers), and for a `ShadowKVCache`
+    `cache_gpu_gib`, the GPU bytes its `memory_report` counts on all GPUs. The peak less `held_gpu_gib` is what a step
+    allocates for a while; `built_gpu_gib` less the weights and `cache_gpu_gib` is what the report does not count."""
+    if built_gib is None:
+        return {}
+    row = {"built_gpu_gib": built_gib, "held_gpu_gib": allocated_gib(device)}
+    if isinstance(cache, ShadowKVCache):
+        row["cache_gpu_gib"] = cache.memory_report().gpu_bytes / GiB
+    return row
+
+
 def layer_devices(model) -> list[torch.device]:
     """The device each decoder layer's keys and values arrive on (one per layer; several in a split model)."""
     devices = attention_devices(model)

@@ -19,7 +19,10 @@ Llama-3.1-8B shape with random bf16 weights built on the GPU. Per context:
    next to raw forwards on a like cache, `--generate-repeats` times in turn (fill "synthetic, generate"; the median
    is recorded, the note gives the ratio and its spread).
 Decode tokens/s = B x timed steps / wall time of `model(...)` forwards (no sampling), synchronised at both
-ends. Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
+ends. A sweep row's GPU memory (fullest GPU): `peak_gpu_gib` since the cache's build began; `built_gpu_gib` allocated
+once it was built; `held_gpu_gib` after the timed steps (with CUDA-graph pools and lasting step buffers); and
+`cache_gpu_gib`, what the cache's `memory_report()` counts (`speed.residency` says what each difference means).
+Roofline of full attention = HBM bandwidth (measured) / (weights + B x full KV bytes) per step.
 
     python -m benchmarks.throughput --device cuda        # the H200 run (about 8 minutes)
     python -m benchmarks.throughput --split              # the model's layers spread over every visible GPU

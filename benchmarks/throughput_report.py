@@ -16,8 +16,8 @@ TITLE = "Decode throughput: ShadowKV vs full attention (Llama-3.1-8B shape, rand
 
 class Recorder:
     COLUMNS = ["context", "method", "value_format", "landmark_format", "fill", "batch", "h_target", "hit_rate",
-               "tok_s", "step_ms", "peak_gpu_gib", "host_gib", "gpu_bytes_per_seq_gib", "prefill_s", "compress_share",
-               "bound_ms", "note"]  # fmt: skip
+               "tok_s", "step_ms", "peak_gpu_gib", "held_gpu_gib", "built_gpu_gib", "cache_gpu_gib", "host_gib",
+               "gpu_bytes_per_seq_gib", "prefill_s", "compress_share", "bound_ms", "note"]  # fmt: skip
 
     def __init__(self, name, env):
         self.name, self.env, self.rows = name, env, []

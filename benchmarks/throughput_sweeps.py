@@ -18,6 +18,7 @@ from benchmarks.bounds import full_attention_step, kv_bytes_per_token, shadowkv_
 from benchmarks.fills import fill_dynamic, fill_static
 from benchmarks.speed import (
     GiB,
+    allocated_gib,
     decode,
     free,
     generate_times,
@@ -26,6 +27,7 @@ from benchmarks.speed import (
     peaks,
     prefill_seconds,
     reset_peak,
+    residency,
 )
 from benchmarks.throughput_report import Recorder, variant_label
 from shadowkv_cache import LandmarkTopK, ShadowKVCache, ShadowKVConfig
@@ -177,8 +179,9 @@ def measure_decode(run: Run, build, batch: int, what: str) -> tuple[float, float
         free(run.device)
         reset_peak(run.device)
         cache = build()
+        built = allocated_gib(run.device)
         step = decode(run.model, cache, batch, run.args.warm, run.args.steps, run.device)
-        return step, hit_rate(cache), peaks(run.device)
+        return step, hit_rate(cache), {**peaks(run.device), **residency(run.device, cache, built)}
     except torch.OutOfMemoryError:
         log(f"{what}: out of GPU memory")
         return None

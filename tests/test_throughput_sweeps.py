@@ -80,3 +80,32 @@ def test_other_errors_of_a_build_propagate():
 
     with pytest.raises(ValueError, match="not a memory error"):
         throughput_sweeps.measure_decode(run, build, 1, "dynamic 64 batch 1")
+
+
+def test_a_row_records_where_its_gpu_memory_lies(monkeypatch):
+    """Off CUDA a row has no memory fields but the peak's None; on a GPU `built_gpu_gib` is read once the cache is
+    built and `held_gpu_gib` after its steps, and a ShadowKVCache's row adds what its memory report counts."""
+    from benchmarks import speed
+    from shadowkv_cache.testing import synthetic_cache
+
+    run = _run("shadowkv", [1])
+    config = ShadowKVConfig(min_compress_len=128)
+    build = lambda: synthetic_cache(run.model, 1, 256, config)  # noqa: E731
+    _, _, gpu = throughput_sweeps.measure_decode(run, build, 1, "shadowkv 256 batch 1")
+    assert gpu == {"peak_gpu_gib": None}
+
+    readings = iter([3.0, 5.0, 7.0, 9.0])  # GiB allocated: once built, then after the steps (two rows)
+    reported: list[float] = []
+
+    def allocated(device):
+        reported.append(next(readings))
+        return reported[-1]
+
+    monkeypatch.setattr(throughput_sweeps, "allocated_gib", allocated)
+    monkeypatch.setattr(speed, "allocated_gib", allocated)
+    made = []
+    _, _, gpu = throughput_sweeps.measure_decode(run, lambda: made.append(build()) or made[-1], 1, "again")
+    assert (gpu["built_gpu_gib"], gpu["held_gpu_gib"]) == (3.0, 5.0)
+    assert gpu["cache_gpu_gib"] == made[0].memory_report().gpu_bytes / speed.GiB > 0
+    _, _, gpu = throughput_sweeps.measure_decode(run, lambda: fill_dynamic(run.model, 1, 64), 1, "dynamic")
+    assert (gpu["built_gpu_gib"], gpu["held_gpu_gib"]) == (7.0, 9.0) and "cache_gpu_gib" not in gpu  # a DynamicCache
