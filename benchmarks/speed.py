@@ -144,15 +144,16 @@ def allocated_gib(device: torch.device) -> float | None:
     return max(now) if now else None
 
 
-def residency(device: torch.device, cache, built_gib: float | None) -> dict:
-    """Where a decode row's peak GPU memory lies, GiB on the fullest GPU (empty off CUDA): `built_gpu_gib` allocated
-    once the cache was built (the weights, the cache, what building it left), `held_gpu_gib` after the timed steps
-    with the cache alive (plus CUDA-graph pools and the step's lasting buffers), and for a `ShadowKVCache`
-    `cache_gpu_gib`, the GPU bytes its `memory_report` counts on all GPUs. The peak less `held_gpu_gib` is what a step
-    allocates for a while; `built_gpu_gib` less the weights and `cache_gpu_gib` is what the report does not count."""
+def residency(cache, built_gib: float | None, held_gib: float | None) -> dict:
+    """Where a decode row's peak GPU memory lies, GiB on the fullest GPU (`allocated_gib` readings; empty off CUDA):
+    `built_gpu_gib` allocated once the cache was built (the weights, the cache, what building it left),
+    `held_gpu_gib` after the timed steps with the cache alive (plus CUDA-graph pools and the step's lasting buffers),
+    and for a `ShadowKVCache` `cache_gpu_gib`, the GPU bytes its `memory_report` counts on all GPUs. The peak less
+    `held_gpu_gib` is what a step allocates for a while; `built_gpu_gib` less the weights and `cache_gpu_gib` is what
+    the report does not count."""
     if built_gib is None:
         return {}
-    row = {"built_gpu_gib": built_gib, "held_gpu_gib": allocated_gib(device)}
+    row = {"built_gpu_gib": built_gib, "held_gpu_gib": held_gib}
     if isinstance(cache, ShadowKVCache):
         row["cache_gpu_gib"] = cache.memory_report().gpu_bytes / GiB
     return row

@@ -181,7 +181,8 @@ def measure_decode(run: Run, build, batch: int, what: str) -> tuple[float, float
         cache = build()
         built = allocated_gib(run.device)
         step = decode(run.model, cache, batch, run.args.warm, run.args.steps, run.device)
-        return step, hit_rate(cache), {**peaks(run.device), **residency(run.device, cache, built)}
+        memory = residency(cache, built, allocated_gib(run.device))
+        return step, hit_rate(cache), {**peaks(run.device), **memory}
     except torch.OutOfMemoryError:
         log(f"{what}: out of GPU memory")
         return None

@@ -95,14 +95,7 @@ def test_a_row_records_where_its_gpu_memory_lies(monkeypatch):
     assert gpu == {"peak_gpu_gib": None}
 
     readings = iter([3.0, 5.0, 7.0, 9.0])  # GiB allocated: once built, then after the steps (two rows)
-    reported: list[float] = []
-
-    def allocated(device):
-        reported.append(next(readings))
-        return reported[-1]
-
-    monkeypatch.setattr(throughput_sweeps, "allocated_gib", allocated)
-    monkeypatch.setattr(speed, "allocated_gib", allocated)
+    monkeypatch.setattr(throughput_sweeps, "allocated_gib", lambda device: next(readings))
     made = []
     _, _, gpu = throughput_sweeps.measure_decode(run, lambda: made.append(build()) or made[-1], 1, "again")
     assert (gpu["built_gpu_gib"], gpu["held_gpu_gib"]) == (3.0, 5.0)
