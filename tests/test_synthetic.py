@@ -139,6 +139,28 @@ def test_constructed_hit_rate_is_measured(hit_rate, settings):
     assert cache.policy.expected_hit_rate(k) == pytest.approx(hit_rate)
 
 
+@pytest.mark.parametrize("settings", [MODES[0], MODES[-1]])
+def test_constructed_hit_rate_keeps_no_state_the_size_of_the_prompt(settings):
+    """One permutation of the N units for the whole cache and, per layer, its windows' K positions: a permutation per
+    layer, row and head held 8 bytes per prompt token and head in every layer (0.25 GiB per 128K row of a YAKV cache
+    of Llama-3.1-8B's shape), memory a benchmark counted as the cache's. Each window still selects K distinct units,
+    a different set in each row and head."""
+    cache = synthetic_cache(model(), B, S, hit_rate=0.5, **settings)
+    decode(cache, 3)
+    policy = cache.policy
+    k = layer_sizes(model(), cache.config, S).resolved.budget_chunks
+    units = cache.layers[0].prompt.selectable.shape[-1]
+    assert [p.shape for p in policy.perms.values()] == [(units,)]
+    assert sorted(policy.perms[(units, "cpu")].tolist()) == list(range(units))
+    assert len(policy.positions) == model().config.num_hidden_layers
+    for positions in policy.positions.values():
+        assert positions.shape == (B, NUM_KV_HEADS, k)
+        chosen = policy.perms[(units, "cpu")][positions]
+        assert all(len(set(ids)) == k for ids in chosen.flatten(0, 1).tolist())
+    firsts = {tuple(p[..., 0].flatten().tolist()) for p in policy.positions.values()}
+    assert len(firsts) > 1  # the layers' windows start apart
+
+
 @pytest.mark.parametrize("settings", MODES)
 def test_selection_figures_count_what_was_built_and_moved(settings):
     cache = synthetic_cache(model(), B, S, **settings)
