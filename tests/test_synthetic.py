@@ -144,7 +144,7 @@ def test_constructed_hit_rate_keeps_no_state_the_size_of_the_prompt(settings):
     """One permutation of the N units for the whole cache and, per layer, its windows' K positions: a permutation per
     layer, row and head held 8 bytes per prompt token and head in every layer (0.25 GiB per 128K row of a YAKV cache
     of Llama-3.1-8B's shape), memory a benchmark counted as the cache's. Each window still selects K distinct units,
-    a different set in each row and head."""
+    from a random start per layer, row and head."""
     cache = synthetic_cache(model(), B, S, hit_rate=0.5, **settings)
     decode(cache, 3)
     policy = cache.policy
